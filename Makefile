@@ -1,0 +1,36 @@
+# Two entry points do all set-up on a fresh machine: `make demo` (main job) and `make test` (test suite).
+# Both create or reuse .venv in the repo root. Install order matters: torch (CPU build, pinned by
+# constraints.txt) first, then DeepSpeed built against it without build isolation, then the project.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check -q
+STAMP := $(VENV)/.installed
+
+export RAY_USAGE_STATS_ENABLED := 0
+export RAY_AUTH_MODE := disabled
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: install demo test bench clean-venv
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -c constraints.txt torch==2.13.0
+	DS_BUILD_SHM_COMM=1 $(PIP) install -c constraints.txt --no-build-isolation deepspeed==0.19.8
+	$(PIP) install -c constraints.txt -e '.[test]'
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/flexdraft demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(VENV)/bin/flexdraft bench-ar
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,129 @@
+"""`flexdraft` command line: generate, bench-ar, demo."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from flexdraft.errors import FlexDraftError
+
+
+def _runtime(args):
+    from flexdraft.config import RuntimeConfig
+
+    return RuntimeConfig(device=args.device, dtype=args.dtype, threads=args.threads)
+
+
+def _add_runtime_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2", help="'smollm2' (bundled), a .gguf file or a HF folder")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
+    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (GPU only)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads on CPU (default 1: fastest measured here)")
+
+
+def cmd_generate(args) -> None:
+    from flexdraft.data import read_prompts_file, text_ids, chat_ids
+    from flexdraft.generate import SamplingParams, generate
+    from flexdraft.models.loading import load_model
+
+    if (args.prompt is None) == (args.prompts_file is None):
+        raise FlexDraftError("give exactly one of --prompt TEXT or --prompts-file F.jsonl")
+    if args.batch_size < 1:
+        raise FlexDraftError(f"--batch-size must be >= 1, got {args.batch_size}")
+    sampling_flag = args.temperature is not None or args.top_p is not None or args.top_k is not None
+    params = SamplingParams(
+        max_new_tokens=args.max_new_tokens,
+        temperature=(args.temperature if args.temperature is not None else (1.0 if sampling_flag else 0.0)),
+        top_k=args.top_k or 0,
+        top_p=args.top_p if args.top_p is not None else 1.0,
+        seed=args.seed,
+    )
+    lm = load_model(args.model, _runtime(args))
+    tok = lm.tokenizer
+    if args.prompt is not None:
+        prompts = [chat_ids(tok, [{"role": "user", "content": args.prompt}]) if args.chat
+                   else text_ids(tok, args.prompt)]
+    else:
+        prompts = read_prompts_file(args.prompts_file, tok)
+    total_tokens, total_time = 0, 0.0
+    for start in range(0, len(prompts), args.batch_size):
+        batch = prompts[start:start + args.batch_size]
+        gens = generate(lm.model, batch, params, lm.eos_token_ids)
+        for i, g in enumerate(gens):
+            total_tokens += len(g.token_ids)
+            total_time += g.seconds
+            text = tok.decode(g.token_ids, skip_special_tokens=True)
+            if args.json:
+                print(json.dumps({"index": start + i, "token_ids": g.token_ids, "text": text,
+                                  "seconds": round(g.seconds, 6), "finish_reason": g.finish_reason,
+                                  "prompt_tokens": g.prompt_len, "mode": "ar"}), flush=True)
+            else:
+                print(text, flush=True)
+                if len(prompts) > 1:
+                    print("-" * 40, flush=True)
+    print(f"[{len(prompts)} prompts, {total_tokens} tokens in {total_time:.2f}s: "
+          f"{total_tokens / max(total_time, 1e-9):.1f} tokens/s, mode ar]", file=sys.stderr)
+
+
+def cmd_bench_ar(args) -> None:
+    from flexdraft.bench import ArBenchConfig, run_ar_benchmark
+
+    cfg = ArBenchConfig(model=args.model, device=args.device, batch_sizes=args.batch_sizes, dtypes=args.dtypes,
+                        threads=args.threads_list, max_new_tokens=args.max_new_tokens, repeats=args.repeats)
+    run_ar_benchmark(cfg)
+
+
+def cmd_demo(args) -> None:
+    from flexdraft.demo import run_demo
+
+    run_demo(n_questions=args.questions, max_new_tokens=args.max_new_tokens)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="flexdraft", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate with the target model")
+    _add_runtime_flags(g)
+    g.add_argument("--prompt", help="prompt text")
+    g.add_argument("--chat", action="store_true", help="wrap --prompt as a user message in the chat template")
+    g.add_argument("--prompts-file", help="JSONL: {prompt} | {messages} | {prompt_token_ids} per line")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--batch-size", type=int, default=8)
+    g.add_argument("--temperature", type=float)
+    g.add_argument("--top-p", type=float)
+    g.add_argument("--top-k", type=int)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--mode", choices=["ar"], default="ar", help="decoding mode (speculative modes: later)")
+    g.add_argument("--json", action="store_true", help="one JSON line per prompt, in input order")
+    g.set_defaults(func=cmd_generate)
+
+    b = sub.add_parser("bench-ar", help="our AR generation vs transformers generate, side by side")
+    b.add_argument("--model", default="smollm2")
+    b.add_argument("--device", default="auto")
+    b.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
+    b.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    b.add_argument("--threads", dest="threads_list", type=int, nargs="+", default=[1])
+    b.add_argument("--max-new-tokens", type=int, default=64)
+    b.add_argument("--repeats", type=int, default=3)
+    b.set_defaults(func=cmd_bench_ar)
+
+    d = sub.add_parser("demo", help="the main job on embedded defaults")
+    d.add_argument("--questions", type=int, default=4)
+    d.add_argument("--max-new-tokens", type=int, default=128)
+    d.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except FlexDraftError as e:
+        print(f"flexdraft: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

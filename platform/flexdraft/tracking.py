@@ -1,0 +1,84 @@
+"""MLflow tracking: an embedded SQLite store under the data dir by default (MLFLOW_TRACKING_URI overrides).
+
+Every run records its config (flattened params + the whole config as a JSON artifact), the git commit and
+the hardware it ran on.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+import torch
+
+from flexdraft.config import data_dir
+
+
+def tracking_uri() -> str:
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{data_dir() / 'mlflow.db'}"
+
+
+def git_commit() -> str:
+    """The commit of the source tree (FLEXDRAFT_GIT_COMMIT wins, e.g. for a Ray job's copied working dir)."""
+    if os.environ.get("FLEXDRAFT_GIT_COMMIT"):
+        return os.environ["FLEXDRAFT_GIT_COMMIT"]
+    src = Path(__file__).resolve().parent
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=src, capture_output=True, text=True,
+                                timeout=5).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=src,
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (commit + ("-dirty" if dirty else "")) if commit else "unknown"
+
+
+def hardware() -> dict[str, str]:
+    info = {
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_count": str(os.cpu_count()),
+        "torch_threads": str(torch.get_num_threads()),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+        info["gpu_count"] = str(torch.cuda.device_count())
+    return info
+
+
+def flatten(d: dict, prefix: str = "") -> dict[str, str]:
+    flat = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            flat.update(flatten(v, key + "."))
+        else:
+            flat[key] = str(v)[:6000]  # MLflow's param value limit
+    return flat
+
+
+@contextlib.contextmanager
+def start_run(experiment: str, config: dict, run_name: str | None = None):
+    """`with start_run("ar-benchmark", cfg) as run:` -> an active MLflow run with config, commit, hardware."""
+    import mlflow
+
+    mlflow.set_tracking_uri(tracking_uri())
+    if mlflow.get_experiment_by_name(experiment) is None:
+        # artifacts beside the store, not in whatever the current directory happens to be
+        artifacts = None if os.environ.get("MLFLOW_TRACKING_URI") else (data_dir() / "mlartifacts").as_uri()
+        mlflow.create_experiment(experiment, artifact_location=artifacts)
+    mlflow.set_experiment(experiment)
+    with mlflow.start_run(run_name=run_name) as run:
+        mlflow.log_params(flatten(config))
+        mlflow.set_tags({"git_commit": git_commit(), **{f"hw.{k}": v for k, v in hardware().items()}})
+        mlflow.log_dict(config, "config.json")
+        yield run

@@ -1,0 +1,70 @@
+import json
+import os
+
+import pytest
+import torch
+
+# tests never write to the user's MLflow store; the converted bundled model is shared with ~/.flexdraft
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+torch.set_num_threads(1)
+
+
+def make_tiny_hf(arch: str, folder, seed: int = 0, **overrides):
+    """A random-initialised `transformers` model of a tiny config, saved as a HF folder (config + safetensors)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from flexdraft.models.config import tiny_hf_config
+
+    cfg = tiny_hf_config(arch, **overrides)
+    hf_config = AutoConfig.for_model(**cfg)
+    torch.manual_seed(seed)
+    hf = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).eval()
+    # random init gives near-uniform logits; widen them so greedy decisions are not coin flips
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.dim() == 2:
+                p.mul_(3.0)
+    hf.save_pretrained(folder)
+    return hf
+
+
+@pytest.fixture(scope="session")
+def real_folder():
+    from flexdraft.models.loading import BUNDLED, resolve_source
+
+    return resolve_source(BUNDLED)
+
+
+@pytest.fixture(scope="session")
+def real_lm(real_folder):
+    from flexdraft.config import RuntimeConfig
+    from flexdraft.models.loading import load_model
+
+    return load_model(real_folder, RuntimeConfig(device="cpu", dtype="float32", threads=1))
+
+
+@pytest.fixture(scope="session")
+def real_hf(real_folder):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(real_folder, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def gsm8k_prompts(real_lm):
+    from flexdraft.data import chat_ids, gsm8k_questions
+
+    return [chat_ids(real_lm.tokenizer, [{"role": "user", "content": q}]) for q in gsm8k_questions(8)]
+
+
+@pytest.fixture
+def mlflow_uri(tmp_path, monkeypatch):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.chdir(tmp_path)  # artifacts of a user-given URI land relative to the cwd
+    return uri
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path

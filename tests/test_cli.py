@@ -1,0 +1,60 @@
+"""`flexdraft generate`: JSON lines in input order, and one-line errors naming the bad value."""
+import json
+
+import pytest
+
+from conftest import write_jsonl
+from flexdraft.cli import main
+from flexdraft.generate import SamplingParams, generate
+
+
+@pytest.mark.real_model
+def test_generate_json_lines_in_input_order(tmp_path, capsys, real_folder, real_lm):
+    """Three prompt kinds in one file, batch size 2: one JSON line each, in order, with ids that equal the
+    library's greedy output for the same token ids."""
+    f = write_jsonl(tmp_path / "p.jsonl", [
+        {"prompt": "The capital of France is"},
+        {"messages": [{"role": "user", "content": "What is 7 times 6?"}]},
+        {"prompt_token_ids": [1, 9690, 198, 504, 3458]},
+    ])
+    assert main(["generate", "--model", str(real_folder), "--prompts-file", str(f), "--json",
+                 "--max-new-tokens", "12", "--batch-size", "2", "--dtype", "float32"]) == 0
+    out, err = capsys.readouterr()
+    lines = [json.loads(line) for line in out.splitlines()]
+    assert [r["index"] for r in lines] == [0, 1, 2]
+    for r in lines:
+        assert 0 < len(r["token_ids"]) <= 12 and r["seconds"] > 0 and isinstance(r["text"], str)
+    ref = generate(real_lm.model, [[1, 9690, 198, 504, 3458]], SamplingParams(max_new_tokens=12),
+                   real_lm.eos_token_ids)
+    assert lines[2]["token_ids"] == ref[0].token_ids
+    assert "tokens/s" in err
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--model", "/nonexistent/model"], "model path not found: /nonexistent/model"),
+    (["--max-new-tokens", "0"], "max_new_tokens must be a positive integer, got 0"),
+    (["--temperature", "-1"], "temperature must be >= 0, got -1.0"),
+    (["--top-p", "1.5"], "top_p must be in (0, 1], got 1.5"),
+    (["--dtype", "float8"], "unknown dtype 'float8'"),
+])
+def test_bad_input_gives_one_line_error(capsys, argv, needle):
+    assert main(["generate", "--prompt", "hi", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("flexdraft: error: ") and needle in err and err.count("\n") == 1
+
+
+def test_unreadable_gguf_is_named(tmp_path, capsys):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF\x03\x00\x00\x00 not really")
+    assert main(["generate", "--prompt", "hi", "--model", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot read GGUF file {bad}" in err and err.count("\n") == 1
+
+
+@pytest.mark.real_model
+def test_prompt_longer_than_context_is_a_one_line_error(tmp_path, capsys, real_folder):
+    f = write_jsonl(tmp_path / "long.jsonl", [{"prompt_token_ids": [198] * 9000}])
+    assert main(["generate", "--model", str(real_folder), "--prompts-file", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert "prompt 0 has 9000 tokens: longer than the model's context of 8192" in err
+    assert err.count("\n") == 1

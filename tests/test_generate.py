@@ -1,0 +1,95 @@
+"""Batched AR generation: equal to `transformers` greedy, batch-invariant, EOS per row, sampling filters."""
+import pytest
+import torch
+
+from conftest import make_tiny_hf
+from flexdraft.config import RuntimeConfig
+from flexdraft.errors import FlexDraftError
+from flexdraft.generate import SamplingParams, filtered_logits, generate
+from flexdraft.models.loading import load_model
+
+GREEDY64 = SamplingParams(max_new_tokens=64)
+
+
+@pytest.mark.real_model
+def test_greedy_equals_transformers_generate_on_gsm8k(real_lm, real_hf, gsm8k_prompts):
+    """Bundled SmolLM2, fp32: our batch of 4 ragged GSM8K chat prompts x 64 new tokens gives, token for token,
+    what `transformers` generate gives for each prompt (greedy, same EOS)."""
+    prompts = gsm8k_prompts[:4]
+    ours = generate(real_lm.model, prompts, GREEDY64, real_lm.eos_token_ids)
+    for p, g in zip(prompts, ours):
+        ref = real_hf.generate(torch.tensor([p]), max_new_tokens=64, do_sample=False,
+                               eos_token_id=list(real_lm.eos_token_ids), pad_token_id=2)[0, len(p):].tolist()
+        assert g.token_ids == ref
+
+
+@pytest.mark.real_model
+def test_ragged_batch_of_8_equals_each_prompt_alone(real_lm, gsm8k_prompts):
+    """Bundled SmolLM2, fp32: 8 prompts of different lengths in one batch give the same tokens as alone."""
+    assert len({len(p) for p in gsm8k_prompts}) > 4  # really ragged
+    batched = generate(real_lm.model, gsm8k_prompts, GREEDY64, real_lm.eos_token_ids)
+    for p, g in zip(gsm8k_prompts, batched):
+        assert g.token_ids == generate(real_lm.model, [p], GREEDY64, real_lm.eos_token_ids)[0].token_ids
+
+
+def test_rows_stop_at_their_own_eos_and_others_continue(tmp_path):
+    """Tiny llama: with EOS = a token one row emits early, that row ends there (EOS included) while the
+    others, dropped from or kept in the batch, produce exactly what they produce alone."""
+    make_tiny_hf("llama", tmp_path)
+    model = load_model(tmp_path, RuntimeConfig(device="cpu", dtype="float32"), with_tokenizer=False).model
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 96, (n,), generator=g).tolist() for n in (5, 11, 8, 3)]
+    params = SamplingParams(max_new_tokens=20)
+    free = generate(model, prompts, params)
+    eos = free[1].token_ids[4]  # row 1 emits this at step 4
+    with_eos = generate(model, prompts, params, eos_token_ids=[eos])
+    first = free[1].token_ids.index(eos)
+    assert with_eos[1].token_ids == free[1].token_ids[: first + 1] and with_eos[1].finish_reason == "eos"
+    for p, got in zip(prompts, with_eos):
+        assert got.token_ids == generate(model, [p], params, eos_token_ids=[eos])[0].token_ids
+    assert any(len(r.token_ids) == 20 and r.finish_reason == "length" for r in with_eos)
+
+
+def test_seeded_sampling_is_reproducible_and_top_k_1_is_greedy(tmp_path):
+    make_tiny_hf("qwen3", tmp_path)
+    model = load_model(tmp_path, RuntimeConfig(device="cpu", dtype="float32"), with_tokenizer=False).model
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    sampled = SamplingParams(max_new_tokens=16, temperature=1.0, top_p=0.9, seed=7)
+    a, b = generate(model, prompts, sampled), generate(model, prompts, sampled)
+    assert [r.token_ids for r in a] == [r.token_ids for r in b]
+    greedy = generate(model, prompts, SamplingParams(max_new_tokens=16))
+    top1 = generate(model, prompts, SamplingParams(max_new_tokens=16, temperature=1.0, top_k=1, seed=1))
+    assert [r.token_ids for r in top1] == [r.token_ids for r in greedy]
+
+
+def test_top_k_top_p_keep_exactly_the_reference_sets():
+    """top-k keeps the k largest; top-p keeps the smallest prefix (by probability) whose mass reaches p."""
+    probs = torch.tensor([[0.05, 0.4, 0.1, 0.3, 0.15]])
+    logits = probs.log()
+    kept = lambda params: torch.isfinite(filtered_logits(logits, params))[0].nonzero().flatten().tolist()
+    assert kept(SamplingParams(temperature=1.0, top_k=2)) == [1, 3]
+    assert kept(SamplingParams(temperature=1.0, top_p=0.7)) == [1, 3]  # 0.4 + 0.3 reaches 0.7
+    assert kept(SamplingParams(temperature=1.0, top_p=0.71)) == [1, 3, 4]
+    assert kept(SamplingParams(temperature=1.0, top_p=0.1)) == [1]  # the top token always stays
+    renorm = filtered_logits(logits, SamplingParams(temperature=1.0, top_p=0.7)).softmax(-1)[0]
+    torch.testing.assert_close(renorm[[1, 3]], torch.tensor([0.4, 0.3]) / 0.7)
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    ({"max_new_tokens": 0}, "max_new_tokens must be a positive integer, got 0"),
+    ({"temperature": -0.5}, "temperature must be >= 0, got -0.5"),
+    ({"top_p": 1.5}, "top_p must be in (0, 1], got 1.5"),
+    ({"top_p": 0.0}, "top_p must be in (0, 1], got 0.0"),
+])
+def test_invalid_sampling_parameters_are_named(kwargs, needle):
+    with pytest.raises(FlexDraftError, match=__import__("re").escape(needle)):
+        SamplingParams(**kwargs)
+
+
+def test_prompt_longer_than_context_is_refused(tmp_path):
+    make_tiny_hf("llama", tmp_path)
+    model = load_model(tmp_path, RuntimeConfig(device="cpu", dtype="float32"), with_tokenizer=False).model
+    with pytest.raises(FlexDraftError, match="prompt 1 has 300 tokens: longer than the model's context of 256"):
+        generate(model, [[5, 6], [7] * 300], SamplingParams(max_new_tokens=4))
+    with pytest.raises(FlexDraftError, match="token id 96 outside the vocabulary of 96"):
+        generate(model, [[5, 96]], SamplingParams(max_new_tokens=4))

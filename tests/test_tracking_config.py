@@ -1,0 +1,51 @@
+"""Tracking records config, commit and hardware; configs are strict dataclasses."""
+from dataclasses import dataclass, field
+
+import pytest
+
+from flexdraft.config import RuntimeConfig, from_dict
+from flexdraft.errors import FlexDraftError
+
+
+def test_run_records_config_commit_and_hardware(mlflow_uri):
+    import mlflow
+
+    from flexdraft.tracking import start_run
+
+    with start_run("unit-test", {"model": "tiny", "runtime": {"threads": 1}}) as run:
+        mlflow.log_metric("tokens_per_s", 12.5)
+    got = mlflow.MlflowClient(mlflow_uri).get_run(run.info.run_id)
+    assert got.data.params == {"model": "tiny", "runtime.threads": "1"}
+    assert got.data.metrics["tokens_per_s"] == 12.5
+    tags = got.data.tags
+    assert tags["git_commit"] != "" and tags["hw.cpu_count"].isdigit() and tags["hw.torch"].startswith("2.")
+    assert "hw.cpu" in tags
+
+
+@dataclass
+class Inner:
+    lr: float = 1e-3
+    layers: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Outer:
+    name: str = "x"
+    inner: Inner = field(default_factory=Inner)
+
+
+def test_config_from_dict_nested_and_strict():
+    cfg = from_dict(Outer, {"name": "y", "inner": {"lr": 1, "layers": [1, 2]}})
+    assert cfg.inner.lr == 1 and cfg.inner.layers == [1, 2]
+    with pytest.raises(FlexDraftError, match=r"config.inner: unknown key\(s\) lrr"):
+        from_dict(Outer, {"inner": {"lrr": 1}})
+    with pytest.raises(FlexDraftError, match=r"config.inner.lr: expected float, got 'fast'"):
+        from_dict(Outer, {"inner": {"lr": "fast"}})
+    with pytest.raises(FlexDraftError, match=r"config.inner.layers"):
+        from_dict(Outer, {"inner": {"layers": [1, "a"]}})
+
+
+def test_runtime_refuses_fp16_on_cpu_and_unknown_device():
+    with pytest.raises(FlexDraftError, match="float16 is GPU-only"):
+        RuntimeConfig(device="cpu", dtype="float16").torch_dtype()
+    assert RuntimeConfig(device="cpu").torch_dtype().is_floating_point
