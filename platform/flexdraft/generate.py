@@ -89,6 +89,19 @@ def check_prompts(prompts: list[list[int]], context: int, vocab_size: int) -> No
             raise FlexDraftError(f"prompt {i} has {len(p)} tokens: longer than the model's context of {context}")
 
 
+def length_groups(lens: list[int], max_padding: float = 0.1) -> list[tuple[int, int]]:
+    """Split lengths sorted in descending order into [start, end) runs whose padded size (first length x
+    count) exceeds their real token count by at most `max_padding`."""
+    groups, start, total = [], 0, 0
+    for i, n in enumerate(lens):
+        if i > start and lens[start] * (i - start + 1) > (1 + max_padding) * (total + n):
+            groups.append((start, i))
+            start, total = i, 0
+        total += n
+    groups.append((start, len(lens)))
+    return groups
+
+
 @torch.inference_mode()
 def generate(model: Transformer, prompts: list[list[int]], params: SamplingParams,
              eos_token_ids=()) -> list[Generation]:
@@ -101,26 +114,32 @@ def generate(model: Transformer, prompts: list[list[int]], params: SamplingParam
     device = model.device
     t0 = time.perf_counter()
     B = len(prompts)
-    prompt_lens = torch.tensor([len(p) for p in prompts], device=device)
     Tmax = max(len(p) for p in prompts)
     max_len = min(context, Tmax + params.max_new_tokens)
     cache = model.new_cache(B, max_len)
     eos = torch.tensor(sorted(set(eos_token_ids)) or [-1], device=device)
     generator = make_generator(params, device)
 
-    # prefill: right-padded prompts at positions 0..Tmax-1; pad slots lie beyond each row's length
-    tokens = torch.zeros(B, Tmax, dtype=torch.long, device=device)
-    for i, p in enumerate(prompts):
-        tokens[i, : len(p)] = torch.tensor(p, device=device)
-    pos = torch.arange(Tmax, device=device).expand(B, Tmax)
-    h = model(tokens, pos, cache, span=Tmax)  # [B, Tmax, d]
-    h_last = h[torch.arange(B, device=device), prompt_lens - 1]  # [B, d]
-    cache.lens.copy_(prompt_lens)
+    # prefill longest first, in groups of similar length (contiguous cache rows) so little compute goes to
+    # padding; pad slots lie beyond each row's length and are never attended to
+    order = sorted(range(B), key=lambda i: -len(prompts[i]))
+    lens = [len(prompts[i]) for i in order]
+    h_last = torch.empty(B, model.args.dim, dtype=model.dtype, device=device)  # [B, d], sorted order
+    for start, end in length_groups(lens):
+        T = lens[start]
+        tokens = torch.zeros(end - start, T, dtype=torch.long, device=device)
+        for r in range(start, end):
+            tokens[r - start, : lens[r]] = torch.tensor(prompts[order[r]], device=device)
+        pos = torch.arange(T, device=device).expand(end - start, T)
+        h = model(tokens, pos, cache.rows(start, end), span=T)  # [g, T, d]
+        last = torch.tensor(lens[start:end], device=device) - 1
+        h_last[start:end] = h[torch.arange(end - start, device=device), last]
+    cache.lens.copy_(torch.tensor(lens, device=device))
     next_tok = sample(model.logits(h_last), params, generator)  # [B]
 
     out = torch.zeros(B, params.max_new_tokens, dtype=torch.long, device=device)
     n_out = torch.zeros(B, dtype=torch.long, device=device)
-    rows = torch.arange(B, device=device)  # active row -> original prompt index
+    rows = torch.tensor(order, device=device)  # active cache row -> original prompt index
     for step in range(params.max_new_tokens):
         out[rows, step] = next_tok
         n_out[rows] += 1

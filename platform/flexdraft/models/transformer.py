@@ -48,6 +48,15 @@ class KVCache:
         self.k[layer][rows, :, pos] = k.transpose(1, 2)
         self.v[layer][rows, :, pos] = v.transpose(1, 2)
 
+    def rows(self, start: int, end: int) -> "KVCache":
+        """A view of rows start..end-1: writes through it land in this cache."""
+        view = KVCache.__new__(KVCache)
+        view.k = [k[start:end] for k in self.k]
+        view.v = [v[start:end] for v in self.v]
+        view.lens = self.lens[start:end]
+        view.max_len = self.max_len
+        return view
+
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Drop every row not in `rows` (e.g. finished sequences) so later steps stop paying for them."""
         self.k = [k.index_select(0, rows) for k in self.k]
@@ -99,6 +108,22 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
+def grouped_attention(q, k, v, mask):
+    """Explicit-matmul GQA attention, q [B, H, T, D], k/v [B, Hkv, S, D], mask [B, 1, T, S] -> [B, H, T, D].
+
+    Used for bf16/fp16 on CPU, where SDPA's CPU kernel is up to 10x slower for a few query tokens
+    (measured: batch 16, 1 query, 200 keys, bf16: 2.9 ms against 0.3 ms per layer). Query head h uses
+    key/value head h // group, as in SDPA's enable_gqa; the softmax runs in fp32.
+    """
+    B, H, T, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    g = H // Hkv
+    scores = (q.reshape(B, Hkv, g * T, D) @ k.transpose(-1, -2)) * D ** -0.5  # [B, Hkv, g*T, S]
+    mask = mask[:, :, None].expand(B, 1, g, T, S).reshape(B, 1, g * T, S)
+    probs = scores.float().masked_fill(~mask, float("-inf")).softmax(-1).to(q.dtype)
+    return (probs @ v).view(B, H, T, D)
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -113,6 +138,8 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        self.math_attention = False  # set by Transformer.to_runtime
+
 
     def forward(self, x, cos, sin, mask, cache: KVCache, layer: int, pos, span: int):
         B, T, _ = x.shape
@@ -125,7 +152,10 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cache.write(layer, pos, k, v)
         keys, values = cache.k[layer][:, :, :span], cache.v[layer][:, :, :span]  # [B, Hkv, S, D]
-        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)  # [B, H, T, D]
+        if self.math_attention:
+            y = grouped_attention(q, keys, values, mask)
+        else:
+            y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)  # [B, H, T, D]
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
 
@@ -175,6 +205,9 @@ class Transformer(nn.Module):
 
     def to_runtime(self, device, dtype) -> "Transformer":
         self.to(device=device, dtype=dtype)
+        use_math = torch.device(device).type == "cpu" and dtype != torch.float32
+        for layer in self.layers:
+            layer.self_attn.math_attention = use_math
         self.inv_freq = rope_inv_freq(self.args).to(device)  # stays fp32 (and leaves the meta device)
         return self
 
