@@ -2,10 +2,13 @@
 # Both create or reuse .venv in the repo root. Install order matters: torch (CPU build, pinned by
 # constraints.txt) first, then DeepSpeed built against it without build isolation, then the project.
 SHELL := /bin/bash
+.SHELLFLAGS := -eo pipefail -c
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
+# this machine's pip config lists local indexes that may be absent: hide pip's warnings about them
+QUIET := 2>&1 | { grep -v 'is ignored: it is neither a file nor a directory' || true; }
 STAMP := $(VENV)/.installed
 
 export RAY_USAGE_STATS_ENABLED := 0
@@ -18,9 +21,9 @@ install: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -c constraints.txt torch==2.13.0
-	DS_BUILD_SHM_COMM=1 $(PIP) install -c constraints.txt --no-build-isolation deepspeed==0.19.8
-	$(PIP) install -c constraints.txt -e '.[test]'
+	$(PIP) install -c constraints.txt torch==2.13.0 $(QUIET)
+	DS_BUILD_SHM_COMM=1 $(PIP) install -c constraints.txt --no-build-isolation deepspeed==0.19.8 $(QUIET)
+	$(PIP) install -c constraints.txt -e '.[test]' $(QUIET)
 	@touch $(STAMP)
 
 demo: $(STAMP)

@@ -77,3 +77,29 @@ def test_real_smollm2_logits_equal_transformers(real_lm, real_hf, gsm8k_prompts)
     got = incremental_logits(real_lm.model, seqs, n_prefill=len(prompt))
     assert (got - expected).abs().max() < 2e-4
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+
+def test_explicit_gqa_attention_equals_sdpa():
+    """The bf16-on-CPU attention path computes what SDPA with enable_gqa computes (checked in fp32, with a
+    ragged causal mask and several query tokens per row)."""
+    from flexdraft.models.transformer import grouped_attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, h, t, 16, generator=g) for h, t in ((6, 5), (2, 40), (2, 40)))
+    pos = torch.tensor([[30], [10], [35]]) + torch.arange(5)  # [B, T]
+    mask = (torch.arange(40) <= pos[..., None])[:, None]  # [B, 1, T, S]
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(grouped_attention(q, k, v, mask), expected, atol=1e-5, rtol=1e-5)
+
+
+@torch.inference_mode()
+def test_bf16_runtime_tracks_fp32(tmp_path):
+    """bf16 on CPU (explicit attention path) stays close to fp32: same argmax on >= 90% of positions."""
+    make_tiny_hf("qwen3", tmp_path)
+    ref = load_model(tmp_path, CPU32, with_tokenizer=False).model
+    bf16 = load_model(tmp_path, RuntimeConfig(device="cpu", dtype="bfloat16"), with_tokenizer=False).model
+    assert bf16.layers[0].self_attn.math_attention and not ref.layers[0].self_attn.math_attention
+    seqs = torch.randint(3, 96, (2, 24), generator=torch.Generator().manual_seed(2))
+    a, b = incremental_logits(ref, seqs, 16), incremental_logits(bf16, seqs, 16).float()
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.9
+    assert (a - b).abs().max() < 0.1 * a.abs().max()

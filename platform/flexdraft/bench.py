@@ -25,7 +25,7 @@ class ArBenchConfig:
     device: str = "auto"
     batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 16])
     dtypes: list[str] = field(default_factory=lambda: ["float32", "bfloat16"])
-    threads: list[int] = field(default_factory=lambda: [1])
+    threads: list[int] = field(default_factory=lambda: [0])  # 0 = one per core
     max_new_tokens: int = 64
     repeats: int = 3
 
@@ -49,7 +49,7 @@ def _hf_generate(hf, prompts: list[list[int]], max_new: int, pad_id: int) -> lis
         ids[i, T - len(p):] = torch.tensor(p)
         att[i, T - len(p):] = 1
     out = hf.generate(input_ids=ids.to(hf.device), attention_mask=att.to(hf.device), max_new_tokens=max_new,
-                      min_new_tokens=max_new, do_sample=False, pad_token_id=pad_id)
+                      do_sample=False, pad_token_id=pad_id)
     return out[:, T:].tolist()
 
 
@@ -67,6 +67,7 @@ def run_ar_benchmark(cfg: ArBenchConfig) -> list[dict]:
                 lm = load_model(cfg.model, runtime)
                 hf = AutoModelForCausalLM.from_pretrained(lm.folder, dtype=runtime.torch_dtype()).to(
                     runtime.torch_device()).eval()
+                hf.generation_config.eos_token_id = None  # EOS ignored, as on our side: same work, same tokens
                 pad = lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else 0
                 questions = gsm8k_questions(max(cfg.batch_sizes))
                 all_prompts = [chat_ids(lm.tokenizer, [{"role": "user", "content": q}]) for q in questions]
@@ -83,7 +84,7 @@ def run_ar_benchmark(cfg: ArBenchConfig) -> list[dict]:
                             t_hf.append(_timed(theirs))
                     n_tokens = bs * cfg.max_new_tokens
                     row = {
-                        "dtype": dtype, "threads": threads, "batch": bs,
+                        "dtype": dtype, "threads": torch.get_num_threads(), "batch": bs,
                         "ours_tok_s": n_tokens / statistics.median(t_ours),
                         "hf_tok_s": n_tokens / statistics.median(t_hf),
                         "same_tokens": sum(a == b for a, b in zip(ours_out[-1], hf_out[-1])) / bs,
@@ -93,7 +94,7 @@ def run_ar_benchmark(cfg: ArBenchConfig) -> list[dict]:
                     print(_fmt_row(row), flush=True)
                     import mlflow
 
-                    tag = f"{dtype}.t{threads}.b{bs}"
+                    tag = f"{dtype}.t{row['threads']}.b{bs}"
                     mlflow.log_metrics({f"ours_tok_s.{tag}": row["ours_tok_s"], f"hf_tok_s.{tag}": row["hf_tok_s"],
                                         f"ratio.{tag}": row["ratio"]})
                 del hf, lm

@@ -18,7 +18,7 @@ def _add_runtime_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2", help="'smollm2' (bundled), a .gguf file or a HF folder")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (GPU only)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads on CPU (default 1: fastest measured here)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads on CPU (default 0: one per core)")
 
 
 def cmd_generate(args) -> None:
@@ -103,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--device", default="auto")
     b.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
     b.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
-    b.add_argument("--threads", dest="threads_list", type=int, nargs="+", default=[1])
+    b.add_argument("--threads", dest="threads_list", type=int, nargs="+", default=[0], help="0 = one per core")
     b.add_argument("--max-new-tokens", type=int, default=64)
     b.add_argument("--repeats", type=int, default=3)
     b.set_defaults(func=cmd_bench_ar)

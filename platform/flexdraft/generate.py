@@ -54,7 +54,7 @@ def filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
     """[N, V] -> [N] next tokens: argmax when greedy, else a draw from the filtered distribution."""
     if params.greedy:
-        return logits.argmax(-1)
+        return logits.float().argmax(-1)  # argmax over bf16 on CPU is ~10x slower than the cast + argmax
     probs = filtered_logits(logits, params).softmax(-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 

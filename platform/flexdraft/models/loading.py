@@ -129,7 +129,10 @@ def load_model(source: str | Path = BUNDLED, runtime: RuntimeConfig | None = Non
     state = read_state_dict(folder)
     if args.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    except RuntimeError as e:  # shape mismatches between config.json and the weights
+        raise FlexDraftError(f"weights in {folder} do not fit its config.json: {str(e).splitlines()[-1].strip()}") from None
     missing = [k for k in missing if not (args.tie_word_embeddings and k == "lm_head.weight")]
     if missing or unexpected:
         raise FlexDraftError(f"weights in {folder} do not match a {args.arch} model: "
