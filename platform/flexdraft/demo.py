@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 from flexdraft.config import RuntimeConfig
 from flexdraft.data import chat_ids, gsm8k_questions
 from flexdraft.generate import SamplingParams, generate
@@ -22,7 +24,7 @@ def run_demo(n_questions: int = 4, max_new_tokens: int = 128) -> None:
     t = time.perf_counter()
     lm = load_model(BUNDLED, runtime)
     print(f"      loaded in {time.perf_counter() - t:.1f}s from {lm.folder} "
-          f"({runtime.torch_device()}, {runtime.torch_dtype()}, {runtime.threads} thread(s))", flush=True)
+          f"({runtime.torch_device()}, {runtime.torch_dtype()}, {torch.get_num_threads()} thread(s))", flush=True)
 
     questions = gsm8k_questions(n_questions)
     prompts = [chat_ids(lm.tokenizer, [{"role": "user", "content": q}]) for q in questions]

@@ -139,7 +139,8 @@ def load_model(source: str | Path = BUNDLED, runtime: RuntimeConfig | None = Non
                              f"missing {missing[:3]}, unexpected {unexpected[:3]}")
     if args.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    model = model.to_runtime(runtime.torch_device(), runtime.torch_dtype()).eval().requires_grad_(False)
+    model = model.requires_grad_(False).to_runtime(runtime.torch_device(), runtime.torch_dtype(),
+                                                   prepack=runtime.cpu_prepack).eval()
     tokenizer = None
     if with_tokenizer:
         from transformers import AutoTokenizer
