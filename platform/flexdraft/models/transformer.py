@@ -149,8 +149,9 @@ class Linear(nn.Linear):
         if self.packed is None or (one_row and x.dtype == torch.float32):
             return F.linear(x, self.weight, self.bias)
         if one_row:  # two rows, then keep the first
-            return torch.ops.mkldnn._linear_pointwise(x.reshape(1, -1).repeat(2, 1), self.packed, self.bias,
-                                                      "none", [], "")[:1].view(*x.shape[:-1], -1)
+            x2 = x.reshape(1, -1)
+            y = torch.ops.mkldnn._linear_pointwise(torch.cat((x2, x2)), self.packed, self.bias, "none", [], "")
+            return y[:1].view(*x.shape[:-1], -1)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
