@@ -21,9 +21,12 @@ install: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -c constraints.txt torch==2.13.0 $(QUIET)
-	DS_BUILD_SHM_COMM=1 $(PIP) install -c constraints.txt --no-build-isolation deepspeed==0.19.8 $(QUIET)
-	$(PIP) install -c constraints.txt -e '.[test]' $(QUIET)
+	@echo "[setup 1/3] torch 2.13.0 (CPU build, pinned by constraints.txt)"
+	@$(PIP) install -c constraints.txt torch==2.13.0 $(QUIET)
+	@echo "[setup 2/3] deepspeed 0.19.8, built against that torch"
+	@DS_BUILD_SHM_COMM=1 $(PIP) install -c constraints.txt --no-build-isolation deepspeed==0.19.8 $(QUIET)
+	@echo "[setup 3/3] flexdraft and its pinned dependencies (Ray, transformers, MLflow, data packages)"
+	@$(PIP) install -c constraints.txt -e '.[test]' $(QUIET)
 	@touch $(STAMP)
 
 demo: $(STAMP)

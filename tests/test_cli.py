@@ -53,8 +53,9 @@ def test_unreadable_gguf_is_named(tmp_path, capsys):
 
 @pytest.mark.real_model
 def test_prompt_longer_than_context_is_a_one_line_error(tmp_path, capsys, real_folder):
-    f = write_jsonl(tmp_path / "long.jsonl", [{"prompt_token_ids": [198] * 9000}])
-    assert main(["generate", "--model", str(real_folder), "--prompts-file", str(f)]) == 2
-    err = capsys.readouterr().err
-    assert "prompt 0 has 9000 tokens: longer than the model's context of 8192" in err
-    assert err.count("\n") == 1
+    """Checked for every prompt before any generation: nothing half-done is printed."""
+    f = write_jsonl(tmp_path / "long.jsonl", [{"prompt": "Hello"}, {"prompt_token_ids": [198] * 9000}])
+    assert main(["generate", "--model", str(real_folder), "--prompts-file", str(f), "--batch-size", "1"]) == 2
+    out, err = capsys.readouterr()
+    assert "prompt 1 has 9000 tokens: longer than the model's context of 8192" in err
+    assert err.count("\n") == 1 and out == ""

@@ -22,8 +22,8 @@ def _add_runtime_flags(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_generate(args) -> None:
-    from flexdraft.data import read_prompts_file, text_ids, chat_ids
-    from flexdraft.generate import SamplingParams, generate
+    from flexdraft.data import chat_ids, read_prompts_file, text_ids
+    from flexdraft.generate import SamplingParams, check_prompts, generate
     from flexdraft.models.loading import load_model
 
     if (args.prompt is None) == (args.prompts_file is None):
@@ -45,6 +45,7 @@ def cmd_generate(args) -> None:
                    else text_ids(tok, args.prompt)]
     else:
         prompts = read_prompts_file(args.prompts_file, tok)
+    check_prompts(prompts, lm.model.args.max_position_embeddings, lm.model.args.vocab_size)  # all, up front
     total_tokens, total_time = 0, 0.0
     for start in range(0, len(prompts), args.batch_size):
         batch = prompts[start:start + args.batch_size]
