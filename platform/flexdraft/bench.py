@@ -15,6 +15,7 @@ import torch
 
 from flexdraft.config import RuntimeConfig
 from flexdraft.data import chat_ids, gsm8k_questions
+from flexdraft.errors import FlexDraftError
 from flexdraft.generate import SamplingParams, generate
 from flexdraft.models.loading import load_model
 
@@ -28,6 +29,14 @@ class ArBenchConfig:
     threads: list[int] = field(default_factory=lambda: [0])  # 0 = one per core
     max_new_tokens: int = 64
     repeats: int = 3
+
+    def __post_init__(self):
+        if not self.batch_sizes or min(self.batch_sizes) < 1:
+            raise FlexDraftError(f"batch sizes must be >= 1, got {self.batch_sizes}")
+        if self.repeats < 1:
+            raise FlexDraftError(f"repeats must be >= 1, got {self.repeats}")
+        if self.max_new_tokens < 1:
+            raise FlexDraftError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
 
 
 def _timed(fn) -> float:
@@ -53,13 +62,40 @@ def _hf_generate(hf, prompts: list[list[int]], max_new: int, pad_id: int) -> lis
     return out[:, T:].tolist()
 
 
+def _side_by_side(lm, hf, prompts: list[list[int]], cfg: ArBenchConfig, pad_id: int) -> dict:
+    """One cell: warm up both, then `repeats` alternating timed runs; tokens/s from the medians."""
+    params = SamplingParams(max_new_tokens=cfg.max_new_tokens)
+    outputs = {}
+    runs = {
+        "ours": lambda: outputs.__setitem__("ours", [g.token_ids for g in generate(lm.model, prompts, params)]),
+        "hf": lambda: outputs.__setitem__("hf", _hf_generate(hf, prompts, cfg.max_new_tokens, pad_id)),
+    }
+    times = {name: [] for name in runs}
+    with torch.inference_mode():
+        for run in runs.values():
+            run()  # warm-up
+        for _ in range(cfg.repeats):
+            for name, run in runs.items():
+                times[name].append(_timed(run))
+    n_tokens = len(prompts) * cfg.max_new_tokens
+    row = {
+        "dtype": str(lm.model.dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
+        "batch": len(prompts),
+        "ours_tok_s": n_tokens / statistics.median(times["ours"]),
+        "hf_tok_s": n_tokens / statistics.median(times["hf"]),
+        "same_tokens": sum(a == b for a, b in zip(outputs["ours"], outputs["hf"])) / len(prompts),
+    }
+    row["ratio"] = row["ours_tok_s"] / row["hf_tok_s"]
+    return row
+
+
 def run_ar_benchmark(cfg: ArBenchConfig) -> list[dict]:
+    import mlflow
     from transformers import AutoModelForCausalLM
 
     from flexdraft.tracking import start_run
 
     rows = []
-    params = SamplingParams(max_new_tokens=cfg.max_new_tokens)
     with start_run("ar-benchmark", asdict(cfg)) as run:
         for threads in cfg.threads:
             for dtype in cfg.dtypes:
@@ -70,38 +106,17 @@ def run_ar_benchmark(cfg: ArBenchConfig) -> list[dict]:
                 hf.generation_config.eos_token_id = None  # EOS ignored, as on our side: same work, same tokens
                 pad = lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else 0
                 questions = gsm8k_questions(max(cfg.batch_sizes))
-                all_prompts = [chat_ids(lm.tokenizer, [{"role": "user", "content": q}]) for q in questions]
+                prompts = [chat_ids(lm.tokenizer, [{"role": "user", "content": q}]) for q in questions]
                 for bs in cfg.batch_sizes:
-                    prompts = all_prompts[:bs]
-                    ours_out, hf_out = [], []
-                    ours = lambda: ours_out.append([g.token_ids for g in generate(lm.model, prompts, params)])
-                    theirs = lambda: hf_out.append(_hf_generate(hf, prompts, cfg.max_new_tokens, pad))
-                    with torch.inference_mode():
-                        ours(), theirs()  # warm-up
-                        t_ours, t_hf = [], []
-                        for _ in range(cfg.repeats):
-                            t_ours.append(_timed(ours))
-                            t_hf.append(_timed(theirs))
-                    n_tokens = bs * cfg.max_new_tokens
-                    row = {
-                        "dtype": dtype, "threads": torch.get_num_threads(), "batch": bs,
-                        "ours_tok_s": n_tokens / statistics.median(t_ours),
-                        "hf_tok_s": n_tokens / statistics.median(t_hf),
-                        "same_tokens": sum(a == b for a, b in zip(ours_out[-1], hf_out[-1])) / bs,
-                    }
-                    row["ratio"] = row["ours_tok_s"] / row["hf_tok_s"]
+                    row = _side_by_side(lm, hf, prompts[:bs], cfg, pad)
                     rows.append(row)
                     print(_fmt_row(row), flush=True)
-                    import mlflow
-
-                    tag = f"{dtype}.t{row['threads']}.b{bs}"
+                    tag = f"{row['dtype']}.t{row['threads']}.b{bs}"
                     mlflow.log_metrics({f"ours_tok_s.{tag}": row["ours_tok_s"], f"hf_tok_s.{tag}": row["hf_tok_s"],
                                         f"ratio.{tag}": row["ratio"]})
                 del hf, lm
         table = markdown_table(rows, cfg)
         print("\n" + table)
-        import mlflow
-
         mlflow.log_text(table, "ar_benchmark.md")
         mlflow.log_text(json.dumps(rows, indent=2), "ar_benchmark.json")
         print(f"\nMLflow run {run.info.run_id} (experiment ar-benchmark)")
