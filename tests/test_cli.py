@@ -59,3 +59,13 @@ def test_prompt_longer_than_context_is_a_one_line_error(tmp_path, capsys, real_f
     out, err = capsys.readouterr()
     assert "prompt 1 has 9000 tokens: longer than the model's context of 8192" in err
     assert err.count("\n") == 1 and out == ""
+
+
+def test_folder_without_tokenizer_is_named(tmp_path, capsys):
+    from conftest import make_tiny_hf
+
+    make_tiny_hf("qwen3", tmp_path)  # weights and config only
+    capsys.readouterr()
+    assert main(["generate", "--prompt", "hi", "--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"no usable tokenizer in {tmp_path}" in err and err.count("\n") == 1

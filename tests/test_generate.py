@@ -5,7 +5,7 @@ import torch
 from conftest import make_tiny_hf
 from flexdraft.config import RuntimeConfig
 from flexdraft.errors import FlexDraftError
-from flexdraft.generate import SamplingParams, filtered_logits, generate
+from flexdraft.generate import SamplingParams, filtered_logits, generate, length_groups
 from flexdraft.models.loading import load_model
 
 GREEDY64 = SamplingParams(max_new_tokens=64)
@@ -93,3 +93,14 @@ def test_prompt_longer_than_context_is_refused(tmp_path):
         generate(model, [[5, 6], [7] * 300], SamplingParams(max_new_tokens=4))
     with pytest.raises(FlexDraftError, match="token id 96 outside the vocabulary of 96"):
         generate(model, [[5, 96]], SamplingParams(max_new_tokens=4))
+
+
+def test_length_groups_cover_all_rows_with_bounded_padding():
+    """Prefill groups are contiguous, cover every row once, and pad at most 10% over their real tokens."""
+    lens = sorted([140, 135, 124, 101, 97, 96, 96, 92, 90, 89, 87, 86, 84, 74, 65, 56], reverse=True)
+    groups = length_groups(lens)
+    assert groups[0][0] == 0 and groups[-1][1] == len(lens)
+    assert all(a[1] == b[0] for a, b in zip(groups, groups[1:]))
+    for start, end in groups:
+        assert lens[start] * (end - start) <= 1.1 * sum(lens[start:end])
+    assert length_groups([7]) == [(0, 1)] and len(length_groups([50] * 8)) == 1

