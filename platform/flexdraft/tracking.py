@@ -6,7 +6,6 @@ the hardware it ran on.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import platform
 import subprocess
