@@ -114,16 +114,15 @@ def generate(model: Transformer, prompts: list[list[int]], params: SamplingParam
     device = model.device
     t0 = time.perf_counter()
     B = len(prompts)
-    Tmax = max(len(p) for p in prompts)
-    max_len = min(context, Tmax + params.max_new_tokens)
+    order = sorted(range(B), key=lambda i: -len(prompts[i]))  # longest first (see prefill)
+    lens = [len(prompts[i]) for i in order]
+    max_len = min(context, lens[0] + params.max_new_tokens)
     cache = model.new_cache(B, max_len)
     eos = torch.tensor(sorted(set(eos_token_ids)) or [-1], device=device)
     generator = make_generator(params, device)
 
     # prefill longest first, in groups of similar length (contiguous cache rows) so little compute goes to
     # padding; pad slots lie beyond each row's length and are never attended to
-    order = sorted(range(B), key=lambda i: -len(prompts[i]))
-    lens = [len(prompts[i]) for i in order]
     h_last = torch.empty(B, model.args.dim, dtype=model.dtype, device=device)  # [B, d], sorted order
     for start, end in length_groups(lens):
         T = lens[start]

@@ -169,8 +169,6 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
-        self.math_attention = False  # set by Transformer.to_runtime
-
 
     def forward(self, x, cos, sin, mask, cache: KVCache, layer: int, pos, span: int):
         B, T, _ = x.shape
@@ -183,7 +181,7 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cache.write(layer, pos, k, v)
         keys, values = cache.k[layer][:, :, :span], cache.v[layer][:, :, :span]  # [B, Hkv, S, D]
-        if self.math_attention:
+        if mask.dtype != torch.bool:  # an additive bias from grouped_bias: the bf16-on-CPU path
             y = grouped_attention(q, keys, values, mask)
         else:
             y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)  # [B, H, T, D]
@@ -225,6 +223,7 @@ class Transformer(nn.Module):
         if args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.inv_freq = rope_inv_freq(args)  # [D/2] fp32; a plain attribute so dtype casts never touch it
+        self.math_attention = False  # grouped_attention instead of SDPA (set by to_runtime)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -237,15 +236,14 @@ class Transformer(nn.Module):
     def to_runtime(self, device, dtype, prepack: bool = False) -> "Transformer":
         """Move to device/dtype for inference; prepack: oneDNN weight prepacking on CPU (see Linear)."""
         self.to(device=device, dtype=dtype)
+        on_cpu = torch.device(device).type == "cpu"
         for m in self.modules():
             if isinstance(m, Linear):
-                if prepack and torch.device(device).type == "cpu" and torch.backends.mkldnn.is_available():
+                if prepack and on_cpu and torch.backends.mkldnn.is_available():
                     m.pack()
                 else:
                     m.packed = None
-        use_math = torch.device(device).type == "cpu" and dtype != torch.float32
-        for layer in self.layers:
-            layer.self_attn.math_attention = use_math
+        self.math_attention = on_cpu and dtype != torch.float32
         self.inv_freq = rope_inv_freq(self.args).to(device)  # stays fp32 (and leaves the meta device)
         return self
 
@@ -270,7 +268,7 @@ class Transformer(nn.Module):
         if mask is None:
             mask = torch.arange(span, device=pos.device) <= pos[..., None]  # [B, T, S]
         mask = mask[:, None]  # [B, 1, T, S]: the same for every head
-        if self.layers[0].self_attn.math_attention:
+        if self.math_attention:
             mask = grouped_bias(mask, self.args.n_heads // self.args.n_kv_heads)  # once for all layers
         x = self.embed_tokens(tokens)
         cos, sin = self.rope(pos, x.dtype)
