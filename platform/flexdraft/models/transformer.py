@@ -170,22 +170,35 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x, cos, sin, mask, cache: KVCache, layer: int, pos, span: int):
+    def project(self, x, cos, sin):
+        """x [B, T, d] -> q [B, H, T, D], k and v [B, Hkv, T, D], with rope (and q/k norm) applied."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H(kv), T, D]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def output(self, y):
+        """y [B, H, T, D] -> [B, T, d]."""
+        B, H, T, D = y.shape
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, H * D))
+
+    def forward(self, x, cos, sin, mask, cache: KVCache, layer: int, pos, span: int):
+        q, k, v = self.project(x, cos, sin)
         cache.write(layer, pos, k, v)
         keys, values = cache.k[layer][:, :, :span], cache.v[layer][:, :, :span]  # [B, Hkv, S, D]
-        if mask.dtype != torch.bool:  # an additive bias from grouped_bias: the bf16-on-CPU path
-            y = grouped_attention(q, keys, values, mask)
-        else:
-            y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)  # [B, H, T, D]
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+        return self.output(attend(q, keys, values, mask))
+
+
+def attend(q, keys, values, mask):
+    """q [B, H, T, D], keys/values [B, Hkv, S, D]; mask: bool [B, 1, T, S] (SDPA) or an additive bias from
+    `grouped_bias` (the bf16-on-CPU path) -> [B, H, T, D]."""
+    if mask.dtype != torch.bool:
+        return grouped_attention(q, keys, values, mask)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
 
 
 class MLP(nn.Module):

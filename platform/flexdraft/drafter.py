@@ -1,0 +1,206 @@
+"""The FlexDraft drafter: tuned attention projectors in the target's deepest layers, drafting a block of
+mask tokens over the target's own KV cache (DESIGN.md sections 3 and 4).
+
+Shapes: R = rows (sequences), N = block slots per row (all blocks of a row, concatenated), S = cached
+prefix slots visible, d = model width, L = target layers, s = L - k = first tuned layer, e = entry layer.
+
+A block anchored after position p has B + 1 slots at positions p+1 .. p+B+1: slot 0 holds the bonus token's
+embedding (when known) or the mask embedding, slots 1..B the mask embedding; slot j >= 1 drafts the token
+at position p+1+j. Slots enter at layer e. In layers e..s-1 they run through the target's own, frozen layer
+and attend causally within their block; in layers s..L-1 they use the drafter's projectors Q'K'V'O' and
+attend to their whole block (bidirectional). In every layer they also attend to the target's cached keys
+and values of the prefix (slots <= p), which they never modify: the target's own path is untouched.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from flexdraft.errors import FlexDraftError
+from flexdraft.models.config import ModelArgs
+from flexdraft.models.transformer import Attention, KVCache, Transformer, attend, grouped_bias
+
+FORMAT = "flexdraft-drafter/1"
+WEIGHTS, META = "drafter.safetensors", "drafter.json"
+
+
+@dataclass
+class DrafterConfig:
+    k: int = 12  # tuned (deepest) layers
+    block_size: int = 8  # B: draft tokens per block (the block has B + 1 slots)
+    entry_layer: int = 0  # e: where block slots enter the network, 0 <= e <= L - k
+    tuned_attention: str = "bidirectional"  # in-block attention in the tuned layers: bidirectional | causal
+    calibration_hidden: int = 0  # width of the calibration MLP's hidden layer; 0 = model width
+
+    def check(self, args: ModelArgs) -> None:
+        L = args.n_layers
+        if not 1 <= self.k <= L:
+            raise FlexDraftError(f"drafter k={self.k} must be between 1 and the model's {L} layers")
+        if self.block_size < 1:
+            raise FlexDraftError(f"drafter block_size must be >= 1, got {self.block_size}")
+        if not 0 <= self.entry_layer <= L - self.k:
+            raise FlexDraftError(f"drafter entry_layer={self.entry_layer} must be between 0 and "
+                                 f"L - k = {L - self.k} (L={L}, k={self.k})")
+        if self.tuned_attention not in ("bidirectional", "causal"):
+            raise FlexDraftError(f"drafter tuned_attention must be bidirectional or causal, got {self.tuned_attention!r}")
+        if self.calibration_hidden < 0:
+            raise FlexDraftError(f"drafter calibration_hidden must be >= 0, got {self.calibration_hidden}")
+
+
+class CalibrationMLP(nn.Module):
+    """[embed(bonus); h_j] -> a correction c_j in hidden space (section 4). The last layer starts at zero, so
+    a fresh calibration leaves the drafts unchanged."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.up = nn.Linear(2 * dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+        nn.init.zeros_(self.down.weight)
+        nn.init.zeros_(self.down.bias)
+
+    def forward(self, bonus_embedding: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.up(torch.cat((bonus_embedding, h), dim=-1))))
+
+
+class Drafter(nn.Module):
+    """Trainable tensors only: `attn[i]` are the projectors of target layer s + i, `mask_embedding` [d],
+    `calibration`. The target is passed to every call and never owned (it stays frozen and shared)."""
+
+    def __init__(self, args: ModelArgs, config: DrafterConfig):
+        super().__init__()
+        config.check(args)
+        self.args, self.config = args, config
+        self.first_tuned = args.n_layers - config.k  # s
+        self.attn = nn.ModuleList(Attention(args) for _ in range(config.k))
+        # trained only when blocks enter at the first tuned layer; otherwise frozen (the shallow block pass then
+        # needs no gradients) at the mean input embedding (set by from_target)
+        self.mask_embedding = nn.Parameter(torch.zeros(args.dim), requires_grad=config.entry_layer == self.first_tuned)
+        self.calibration = CalibrationMLP(args.dim, config.calibration_hidden or args.dim)
+
+    @classmethod
+    def from_target(cls, target: Transformer, config: DrafterConfig) -> "Drafter":
+        """A fresh drafter: projectors copied from the target's, mask embedding = mean input embedding."""
+        drafter = cls(target.args, config).to(device=target.device, dtype=target.dtype)
+        with torch.no_grad():
+            for i, attn in enumerate(drafter.attn):
+                src = target.layers[drafter.first_tuned + i].self_attn.state_dict()
+                attn.load_state_dict({k: v.clone() for k, v in src.items()})
+            drafter.mask_embedding.copy_(target.embed_tokens.weight.float().mean(0))
+        return drafter
+
+    def parameters_for(self, stage: str) -> list[nn.Parameter]:
+        """The tensors a training stage updates ("attention" or "calibration"); sets requires_grad to match."""
+        if stage not in ("attention", "calibration"):
+            raise FlexDraftError(f"unknown training stage {stage!r}: attention or calibration")
+        train_mask = stage == "attention" and self.config.entry_layer == self.first_tuned
+        for name, p in self.named_parameters():
+            if name == "mask_embedding":
+                p.requires_grad_(train_mask)
+            else:
+                p.requires_grad_(name.startswith("attn.") == (stage == "attention"))
+        return [p for p in self.parameters() if p.requires_grad]
+
+    def forward(self, target: Transformer, inputs: torch.Tensor, pos: torch.Tensor, block_of: torch.Tensor,
+                cache: KVCache, ctx_mask: torch.Tensor) -> torch.Tensor:
+        """Draft blocks -> final-normed hidden states [R, N, d] (logits: `target.logits`).
+
+        inputs [R, N, d]: slot input embeddings; pos [R, N]: slot positions; block_of [R, N]: the block each
+        slot belongs to (a block never sees another); cache: the target's cache, read only; ctx_mask
+        [R, N, S]: the cached slots each block slot may see (its prefix)."""
+        same = block_of[:, :, None] == block_of[:, None, :]  # [R, N, N]
+        causal = same & (pos[:, None, :] <= pos[:, :, None])
+        tuned = same if self.config.tuned_attention == "bidirectional" else causal
+        masks = [torch.cat((ctx_mask, m), dim=-1)[:, None] for m in (causal, tuned)]  # [R, 1, N, S + N]
+        if target.math_attention:
+            group = self.args.n_heads // self.args.n_kv_heads
+            masks = [grouped_bias(m, group) for m in masks]
+        S = ctx_mask.shape[-1]
+        x = inputs
+        cos, sin = target.rope(pos, x.dtype)
+        for layer_idx in range(self.config.entry_layer, self.args.n_layers):
+            layer = target.layers[layer_idx]
+            is_tuned = layer_idx >= self.first_tuned
+            attn = self.attn[layer_idx - self.first_tuned] if is_tuned else layer.self_attn
+            q, k, v = attn.project(layer.input_layernorm(x), cos, sin)
+            keys = torch.cat((cache.k[layer_idx][:, :, :S], k), dim=2)  # [R, Hkv, S + N, D]
+            values = torch.cat((cache.v[layer_idx][:, :, :S], v), dim=2)
+            x = x + attn.output(attend(q, keys, values, masks[is_tuned]))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return target.norm(x)
+
+    def slot_inputs(self, target: Transformer, bonus: torch.Tensor, bonus_known: torch.Tensor) -> torch.Tensor:
+        """bonus, bonus_known [...] -> [..., B + 1, d]: slot 0 = embed(bonus) where known, else the mask."""
+        shape = (*bonus.shape, self.config.block_size + 1, self.args.dim)
+        x = self.mask_embedding.to(target.dtype).expand(shape).clone()
+        x[..., 0, :] = torch.where(bonus_known[..., None], target.embed_tokens(bonus), x[..., 0, :])
+        return x
+
+    def calibrate(self, target: Transformer, h: torch.Tensor, bonus: torch.Tensor) -> torch.Tensor:
+        """h [..., d] draft hidden states, bonus [...] the bonus token of each -> corrected hidden states
+        (logits_j + LMHead(c_j) = LMHead(h_j + c_j): the LM head is linear)."""
+        return h + self.calibration(target.embed_tokens(bonus), h)
+
+
+def weights_fingerprint(model: Transformer) -> str:
+    """A short hash of the target's weights that does not depend on the dtype or device it was loaded in:
+    a strided sample of every tensor, rounded to bf16 (fp32 and bf16 loads of one checkpoint agree)."""
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        flat = t.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // 4096)].to("cpu", torch.bfloat16).view(torch.int16)
+        h.update(f"{name}:{tuple(t.shape)}".encode())
+        h.update(sample.numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def save_drafter(drafter: Drafter, folder: str | Path, base_name: str, base_fingerprint: str,
+                 info: dict | None = None) -> Path:
+    """Safetensors of the drafter's own tensors (fp32) + drafter.json; written to a temp name, then renamed."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().float().cpu().contiguous() for k, v in drafter.state_dict().items()}
+    save_file(state, folder / (WEIGHTS + ".tmp"))
+    meta = {"format": FORMAT, "config": asdict(drafter.config), "base_model": base_name,
+            "base_fingerprint": base_fingerprint, "n_layers": drafter.args.n_layers, "dim": drafter.args.dim,
+            **(info or {})}
+    (folder / (META + ".tmp")).write_text(json.dumps(meta, indent=2))
+    (folder / (WEIGHTS + ".tmp")).rename(folder / WEIGHTS)
+    (folder / (META + ".tmp")).rename(folder / META)
+    return folder
+
+
+def read_drafter_meta(folder: str | Path) -> dict:
+    folder = Path(folder)
+    if not (folder / META).is_file() or not (folder / WEIGHTS).is_file():
+        raise FlexDraftError(f"no drafter in {folder}: expected {META} and {WEIGHTS}")
+    try:
+        meta = json.loads((folder / META).read_text())
+    except json.JSONDecodeError as e:
+        raise FlexDraftError(f"{folder / META} is not valid JSON: {e}") from None
+    if meta.get("format") != FORMAT:
+        raise FlexDraftError(f"{folder / META}: unknown drafter format {meta.get('format')!r} (expected {FORMAT})")
+    return meta
+
+
+def load_drafter(folder: str | Path, target: Transformer) -> Drafter:
+    """Load a saved drafter for `target`; refuses one made for other base weights."""
+    from safetensors.torch import load_file
+
+    from flexdraft.config import from_dict
+
+    meta = read_drafter_meta(folder)
+    fingerprint = weights_fingerprint(target)
+    if meta["base_fingerprint"] != fingerprint:
+        raise FlexDraftError(f"drafter {folder} was trained for other base weights ({meta['base_model']}, "
+                             f"fingerprint {meta['base_fingerprint']}); the loaded model's is {fingerprint}")
+    drafter = Drafter(target.args, from_dict(DrafterConfig, meta["config"], ".drafter"))
+    drafter.load_state_dict(load_file(Path(folder) / WEIGHTS))
+    return drafter.to(device=target.device, dtype=target.dtype)

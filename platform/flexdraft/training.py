@@ -1,0 +1,202 @@
+"""Training and evaluating the drafter on self-distilled sequences (plain PyTorch; the Ray Train/DeepSpeed
+wiring is in train_job.py).
+
+Per batch of sequences: one frozen target forward without gradients gives the KV cache of every layer and
+the target's next-token logits; then many blocks per sequence, anchored at random answer positions, go
+through the drafter in one pass (block-diagonal masks). Shapes: R = sequences, T = padded length,
+A = blocks per sequence, B = draft slots per block (slots 1..B; slot 0 is the bonus), V = vocabulary.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flexdraft.drafter import Drafter
+from flexdraft.errors import FlexDraftError
+from flexdraft.models.transformer import KVCache, Transformer
+
+
+@dataclass
+class Sequences:
+    tokens: torch.Tensor  # [R, T] right-padded
+    lens: torch.Tensor  # [R]
+    prompt_lens: torch.Tensor  # [R]: answer tokens start here
+
+
+def collate(rows: list[dict], device) -> Sequences:
+    """rows of {"input_ids": [...], "prompt_len": int} (the distill format) -> Sequences."""
+    T = max(len(r["input_ids"]) for r in rows)
+    tokens = torch.zeros(len(rows), T, dtype=torch.long)
+    for i, r in enumerate(rows):
+        tokens[i, : len(r["input_ids"])] = torch.as_tensor(r["input_ids"])
+    lens = torch.tensor([len(r["input_ids"]) for r in rows])
+    prompt_lens = torch.tensor([int(r["prompt_len"]) for r in rows])
+    return Sequences(tokens.to(device), lens.to(device), prompt_lens.to(device))
+
+
+@torch.no_grad()
+def target_pass(target: Transformer, seqs: Sequences) -> tuple[KVCache, torch.Tensor]:
+    """The frozen target over whole sequences -> (its KV cache, final hidden states [R, T, d]).
+    Padding sits after each row's tokens, so causal attention keeps it out of every real token."""
+    R, T = seqs.tokens.shape
+    cache = target.new_cache(R, T)
+    pos = torch.arange(T, device=seqs.tokens.device).expand(R, T)
+    h = target(seqs.tokens, pos, cache)
+    cache.lens[:] = seqs.lens
+    return cache, h
+
+
+def valid_anchor_range(seqs: Sequences, B: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Anchors p with the bonus at p+1 an answer token and the whole block inside the sequence:
+    prompt_len - 1 <= p <= len - B - 2. Returns (first, last) [R]; rows with last < first have none."""
+    return seqs.prompt_lens - 1, seqs.lens - B - 2
+
+
+def sample_anchors(seqs: Sequences, B: int, n: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Up to n distinct random anchors per row -> (anchors [R, A], valid [R, A]); invalid ones point at 0."""
+    first, last = valid_anchor_range(seqs, B)
+    count = (last - first + 1).clamp(min=0)
+    A = int(min(n, int(count.max())))
+    if A <= 0:
+        raise FlexDraftError(f"no sequence in this batch is long enough for a block of {B} drafts")
+    # a random permutation of each row's candidates: argsort of random keys, candidates beyond count last
+    T = int(seqs.lens.max())
+    keys = torch.rand(first.shape[0], T, generator=generator).to(first.device)
+    offsets = torch.arange(T, device=first.device)
+    keys = keys.masked_fill(offsets >= count[:, None], 2.0)
+    picked = keys.argsort(-1)[:, :A]  # [R, A] offsets from first
+    valid = picked < count[:, None]
+    anchors = torch.where(valid, first[:, None] + picked, torch.zeros_like(picked))
+    return anchors, valid
+
+
+def strided_anchors(seqs: Sequences, B: int, stride: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Deterministic evaluation anchors: every stride-th valid position, at most n per row."""
+    first, last = valid_anchor_range(seqs, B)
+    offsets = torch.arange(n, device=first.device) * stride
+    anchors = first[:, None] + offsets
+    valid = anchors <= last[:, None]
+    return torch.where(valid, anchors, torch.zeros_like(anchors)), valid
+
+
+def draft_hidden(drafter: Drafter, target: Transformer, seqs: Sequences, cache: KVCache, anchors: torch.Tensor,
+                 bonus_known: torch.Tensor) -> torch.Tensor:
+    """Blocks anchored at anchors [R, A] -> hidden states of every slot [R, A, B + 1, d]."""
+    R, A = anchors.shape
+    B1 = drafter.config.block_size + 1
+    pos = anchors[..., None] + 1 + torch.arange(B1, device=anchors.device)  # [R, A, B+1]
+    bonus = seqs.tokens.gather(1, anchors + 1)  # [R, A]
+    inputs = drafter.slot_inputs(target, bonus, bonus_known)  # [R, A, B+1, d]
+    block_of = torch.arange(A, device=anchors.device)[None, :, None].expand(R, A, B1)
+    T = seqs.tokens.shape[1]
+    ctx = torch.arange(T, device=anchors.device) <= anchors[..., None]  # [R, A, T]: the prefix up to p
+    ctx = ctx[:, :, None].expand(R, A, B1, T)
+    N = A * B1
+    h = drafter(target, inputs.reshape(R, N, -1), pos.reshape(R, N), block_of.reshape(R, N), cache,
+                ctx.reshape(R, N, T))
+    return h.view(R, A, B1, -1)
+
+
+def gather_positions(x: torch.Tensor, anchors: torch.Tensor, B: int) -> torch.Tensor:
+    """x [R, T, ...] -> [R, A, B, ...]: x at positions p+1 .. p+B for each anchor p (where the target
+    predicts the tokens that slots 1..B draft)."""
+    idx = anchors[..., None] + 1 + torch.arange(B, device=anchors.device)  # [R, A, B]
+    R, A, _ = idx.shape
+    flat = idx.reshape(R, A * B)
+    out = x.gather(1, flat.view(R, A * B, *([1] * (x.dim() - 2))).expand(R, A * B, *x.shape[2:]))
+    return out.view(R, A, B, *x.shape[2:])
+
+
+def slot_weights(B: int, decay: float, device) -> torch.Tensor:
+    """[B]: decay^(j-1) for slots j = 1..B (later slots count less: they are accepted less often)."""
+    return decay ** torch.arange(B, device=device, dtype=torch.float32)
+
+
+def block_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, valid: torch.Tensor, weights: torch.Tensor,
+               kind: str) -> torch.Tensor:
+    """draft/target logits [R, A, B, V], valid [R, A], weights [B] -> weighted mean over valid slots of
+    CE(draft, argmax target) ("ce") or KL(p_target || q_draft) ("kl")."""
+    logq = draft_logits.float().log_softmax(-1)
+    if kind == "ce":
+        per_slot = -logq.gather(-1, target_logits.argmax(-1, keepdim=True)).squeeze(-1)  # [R, A, B]
+    elif kind == "kl":
+        logp = target_logits.float().log_softmax(-1)
+        per_slot = (logp.exp() * (logp - logq)).sum(-1)
+    else:
+        raise FlexDraftError(f"unknown loss {kind!r}: ce or kl")
+    w = weights * valid[..., None].float()  # [R, A, B]
+    return (per_slot * w).sum() / w.sum().clamp(min=1e-9)
+
+
+@dataclass
+class StepOutput:
+    loss: torch.Tensor
+    blocks: int  # valid blocks trained
+    tokens: int  # real sequence tokens in the batch
+
+
+def training_step(drafter: Drafter, target: Transformer, seqs: Sequences, stage: str, anchors_per_seq: int,
+                  loss_kind: str, decay: float, generator: torch.Generator) -> StepOutput:
+    """The loss of one batch. attention: half the blocks with the true bonus in slot 0, half masked;
+    calibration: every block masked, drafter frozen, the MLP fed the true bonus."""
+    B = drafter.config.block_size
+    cache, h = target_pass(target, seqs)
+    anchors, valid = sample_anchors(seqs, B, anchors_per_seq, generator)
+    with torch.no_grad():
+        target_logits = target.logits(gather_positions(h, anchors, B))  # [R, A, B, V]
+    if stage == "attention":
+        bonus_known = (torch.rand(anchors.shape, generator=generator) < 0.5).to(anchors.device)
+        hd = draft_hidden(drafter, target, seqs, cache, anchors, bonus_known)[:, :, 1:]
+    else:
+        with torch.no_grad():
+            hd = draft_hidden(drafter, target, seqs, cache, anchors, torch.zeros_like(valid))[:, :, 1:]
+        bonus = seqs.tokens.gather(1, anchors + 1)[..., None].expand(hd.shape[:-1])
+        hd = drafter.calibrate(target, hd, bonus)
+    loss = block_loss(target.logits(hd), target_logits, valid, slot_weights(B, decay, hd.device), loss_kind)
+    return StepOutput(loss, int(valid.sum()), int(seqs.lens.sum()))
+
+
+MODES = ("bonus", "mask", "mask_calibrated")
+
+
+@torch.no_grad()
+def agreement_counts(drafter: Drafter, target: Transformer, seqs: Sequences, stride: int, max_anchors: int) -> dict:
+    """For each mode (slot 0 = true bonus; masked; masked + calibration): per-slot counts of draft argmax ==
+    target argmax, and the summed agreeing-prefix length, over strided anchors. Sums, so workers can add."""
+    B = drafter.config.block_size
+    cache, h = target_pass(target, seqs)
+    anchors, valid = strided_anchors(seqs, B, stride, max_anchors)
+    target_tokens = target.logits(gather_positions(h, anchors, B)).float().argmax(-1)  # [R, A, B]
+    bonus = seqs.tokens.gather(1, anchors + 1)
+    out = {"blocks": int(valid.sum())}
+    for mode in MODES:
+        hd = draft_hidden(drafter, target, seqs, cache, anchors, torch.full_like(valid, mode == "bonus"))[:, :, 1:]
+        if mode == "mask_calibrated":
+            hd = drafter.calibrate(target, hd, bonus[..., None].expand(hd.shape[:-1]))
+        agree = (target.logits(hd).float().argmax(-1) == target_tokens) & valid[..., None]  # [R, A, B]
+        out[f"{mode}.agree"] = agree.sum((0, 1)).tolist()
+        out[f"{mode}.prefix"] = int(agree.long().cumprod(-1).sum())
+    return out
+
+
+def add_counts(a: dict, b: dict) -> dict:
+    return {k: ([x + y for x, y in zip(a[k], b[k])] if isinstance(a[k], list) else a[k] + b[k]) for k in a}
+
+
+def agreement_metrics(counts: dict) -> dict[str, float]:
+    """Counts -> per-slot top-1 agreement acc_j, the real greedy accepted length tau = mean agreeing prefix
+    + 1 (the bonus), and the implied one from per-slot rates, 1 + sum_a prod_{j<=a} acc_j."""
+    n = max(counts["blocks"], 1)
+    metrics = {"eval_blocks": float(counts["blocks"])}
+    for mode in MODES:
+        acc = [c / n for c in counts[f"{mode}.agree"]]
+        for j, a in enumerate(acc, 1):
+            metrics[f"{mode}/acc_slot{j}"] = a
+        metrics[f"{mode}/tau"] = 1 + counts[f"{mode}.prefix"] / n
+        implied, prod = 1.0, 1.0
+        for a in acc:
+            prod *= a
+            implied += prod
+        metrics[f"{mode}/tau_implied"] = implied
+    return metrics

@@ -1,0 +1,148 @@
+"""The drafter's block path: what it shares with the target, what it must never see, what it trains."""
+import pytest
+import torch
+
+from conftest import make_tiny_hf
+from flexdraft.config import RuntimeConfig
+from flexdraft.drafter import Drafter, DrafterConfig, load_drafter, save_drafter, weights_fingerprint
+from flexdraft.errors import FlexDraftError
+from flexdraft.models.loading import load_model
+from flexdraft.training import Sequences, agreement_counts, draft_hidden, target_pass, training_step
+
+CPU32 = RuntimeConfig(device="cpu", dtype="float32", threads=1, cpu_prepack=False)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny")
+    make_tiny_hf("qwen3", folder)  # q/k norm: the projector copy must carry them too
+    return load_model(folder, CPU32, with_tokenizer=False).model
+
+
+def sequences(vocab: int, R: int = 2, T: int = 40, seed: int = 0) -> Sequences:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(3, vocab, (R, T), generator=g)
+    return Sequences(tokens, torch.full((R,), T), torch.full((R,), 6))
+
+
+def true_token_blocks(drafter, target, seqs, cache, anchors):
+    """Blocks whose every slot holds the real token at its position (not the mask) -> hidden [R, A, B+1, d]."""
+    R, A = anchors.shape
+    B1 = drafter.config.block_size + 1
+    pos = anchors[..., None] + 1 + torch.arange(B1)
+    inputs = target.embed_tokens(seqs.tokens.gather(1, pos.reshape(R, -1)))
+    T = seqs.tokens.shape[1]
+    ctx = (torch.arange(T) <= anchors[..., None])[:, :, None].expand(R, A, B1, T).reshape(R, A * B1, T)
+    block_of = torch.arange(A)[None, :, None].expand(R, A, B1).reshape(R, -1)
+    return drafter(target, inputs, pos.reshape(R, -1), block_of, cache, ctx).view(R, A, B1, -1)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("tuned_attention", ["causal", "bidirectional"])
+def test_init_copy_drafter_reproduces_target_on_true_tokens(tiny, tuned_attention):
+    """e = 0, projectors copied from the target, every slot holding the real token: a block slot is an ordinary
+    token of the sequence, so its final hidden state equals the target's at that position (fp32, 1e-5) — for
+    every slot with causal in-block attention in the tuned layers (k = 2); with bidirectional attention only
+    for the block's last slot and only for k = 1 (it sees no later slot, but in a second tuned layer it would
+    read the keys of earlier slots that saw later ones). Three overlapping blocks per row, one pass."""
+    k = 2 if tuned_attention == "causal" else 1
+    drafter = Drafter.from_target(tiny, DrafterConfig(k=k, block_size=4, tuned_attention=tuned_attention))
+    seqs = sequences(tiny.args.vocab_size)
+    cache, h = target_pass(tiny, seqs)
+    anchors = torch.tensor([[5, 7, 20], [9, 10, 30]])
+    got = true_token_blocks(drafter, tiny, seqs, cache, anchors)  # [R, A, 5, d]
+    pos = anchors[..., None] + 1 + torch.arange(5)
+    want = h.gather(1, pos.reshape(2, -1, 1).expand(-1, -1, h.shape[-1])).view(got.shape)
+    if tuned_attention == "causal":
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    else:
+        torch.testing.assert_close(got[:, :, -1], want[:, :, -1], atol=1e-5, rtol=1e-5)
+        assert not torch.allclose(got[:, :, 0], want[:, :, 0], atol=1e-3)  # slot 0 now sees later slots
+
+
+@torch.no_grad()
+def test_blocks_are_isolated_and_see_only_their_prefix(tiny):
+    """Perturbing one block's slot-0 token leaves the other blocks bit-identical; cached keys past a block's
+    anchor never reach it; the drafter never writes the target's cache."""
+    drafter = Drafter.from_target(tiny, DrafterConfig(k=2, block_size=3))
+    seqs = sequences(tiny.args.vocab_size)
+    cache, _ = target_pass(tiny, seqs)
+    snapshot = [k.clone() for k in cache.k] + [v.clone() for v in cache.v]
+    anchors = torch.tensor([[8, 9, 25], [6, 15, 16]])
+    known = torch.ones_like(anchors, dtype=torch.bool)
+    base = draft_hidden(drafter, tiny, seqs, cache, anchors, known)
+    assert all(torch.equal(a, b) for a, b in zip(snapshot, cache.k + cache.v))
+
+    other = Sequences(seqs.tokens.clone(), seqs.lens, seqs.prompt_lens)
+    other.tokens[0, 9 + 1] += 1  # slot 0 (bonus) of block (row 0, anchor 9) only; a prefix token of no block <= 9
+    changed = draft_hidden(drafter, tiny, other, cache, anchors, known)  # same cache: only block inputs differ
+    assert torch.equal(changed[0, [0, 2]], base[0, [0, 2]]) and torch.equal(changed[1], base[1])
+    assert not torch.allclose(changed[0, 1], base[0, 1])
+
+    for layer in range(tiny.args.n_layers):  # cached keys after anchor 25 (row 0): invisible to every block
+        cache.k[layer][0, :, 26:] += 5.0
+    assert torch.equal(draft_hidden(drafter, tiny, seqs, cache, anchors, known), base)
+    cache.k[-1][0, :, 3] += 5.0  # inside every row-0 prefix
+    assert not torch.allclose(draft_hidden(drafter, tiny, seqs, cache, anchors, known)[0], base[0])
+
+
+def test_gradients_reach_only_the_tuned_projectors(tiny):
+    """Attention tuning with e = 0 < s: gradients land on Q'K'V'O' of the k tuned layers only — not the mask
+    embedding (frozen below s), the calibration MLP or any target weight; calibration trains only the MLP."""
+    drafter = Drafter.from_target(tiny, DrafterConfig(k=2, block_size=4))
+    seqs = sequences(tiny.args.vocab_size)
+    g = torch.Generator().manual_seed(0)
+    trainable = drafter.parameters_for("attention")
+    training_step(drafter, tiny, seqs, "attention", 8, "ce", 0.8, g).loss.backward()
+    with_grad = {n for n, p in drafter.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
+    assert with_grad == {n for n, _ in drafter.named_parameters() if n.startswith("attn.")}
+    assert len(trainable) == len(with_grad)
+    assert all(p.grad is None for p in tiny.parameters())
+
+    drafter.zero_grad(set_to_none=True)
+    drafter.parameters_for("calibration")
+    training_step(drafter, tiny, seqs, "calibration", 8, "kl", 0.8, g).loss.backward()
+    assert {n for n, p in drafter.named_parameters() if p.grad is not None} == {
+        n for n, _ in drafter.named_parameters() if n.startswith("calibration.")}
+
+
+@torch.no_grad()
+def test_fresh_calibration_changes_nothing(tiny):
+    """The calibration MLP's last layer starts at zero: calibrated and uncalibrated agreement are identical."""
+    drafter = Drafter.from_target(tiny, DrafterConfig(k=2, block_size=4))
+    counts = agreement_counts(drafter, tiny, sequences(tiny.args.vocab_size), stride=2, max_anchors=8)
+    assert counts["blocks"] == 2 * 8
+    assert counts["mask.agree"] == counts["mask_calibrated.agree"]
+
+
+def test_save_load_roundtrip_and_base_mismatch(tiny, tmp_path):
+    """A saved drafter reloads bit-exactly (safetensors + JSON); a drafter for other base weights is refused."""
+    drafter = Drafter.from_target(tiny, DrafterConfig(k=3, block_size=5, entry_layer=1))
+    with torch.no_grad():
+        drafter.calibration.down.weight.normal_()
+    save_drafter(drafter, tmp_path / "d", "tiny", weights_fingerprint(tiny))
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["drafter.json", "drafter.safetensors"]
+    loaded = load_drafter(tmp_path / "d", tiny)
+    assert loaded.config == drafter.config
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), drafter.state_dict().values()))
+
+    make_tiny_hf("qwen3", tmp_path / "other", seed=1)
+    other = load_model(tmp_path / "other", CPU32, with_tokenizer=False).model
+    with pytest.raises(FlexDraftError, match="other base weights"):
+        load_drafter(tmp_path / "d", other)
+
+
+def test_fingerprint_ignores_dtype(tiny, tmp_path):
+    """fp32 and bf16 loads of the same weights have one fingerprint (a drafter serves both)."""
+    make_tiny_hf("qwen3", tmp_path)
+    a = load_model(tmp_path, CPU32, with_tokenizer=False).model
+    b = load_model(tmp_path, RuntimeConfig(device="cpu", dtype="bfloat16", threads=1), with_tokenizer=False).model
+    assert weights_fingerprint(a) == weights_fingerprint(b) == weights_fingerprint(tiny)
+
+
+@pytest.mark.parametrize("cfg,msg", [(DrafterConfig(k=9), "between 1 and the model's 4 layers"),
+                                     (DrafterConfig(k=2, entry_layer=3), "entry_layer=3"),
+                                     (DrafterConfig(block_size=0, k=2), "block_size")])
+def test_bad_drafter_config(tiny, cfg, msg):
+    with pytest.raises(FlexDraftError, match=msg):
+        Drafter(tiny.args, cfg)
