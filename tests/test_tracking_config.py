@@ -49,3 +49,18 @@ def test_runtime_refuses_fp16_on_cpu_and_unknown_device():
     with pytest.raises(FlexDraftError, match="float16 is GPU-only"):
         RuntimeConfig(device="cpu", dtype="float16").torch_dtype()
     assert RuntimeConfig(device="cpu").torch_dtype().is_floating_point
+
+
+def test_every_shipped_pipeline_config_loads_and_fits_the_bundled_model(real_folder):
+    """configs/**/*.yaml stay valid as the dataclasses change: strict load, drafter checked against SmolLM2."""
+    import json
+    from pathlib import Path
+
+    from flexdraft.models.config import ModelArgs
+    from flexdraft.pipeline import load_pipeline_config
+
+    args = ModelArgs.from_hf_config(json.loads((real_folder / "config.json").read_text()))
+    files = sorted((Path(__file__).parents[1] / "configs").rglob("*.yaml"))
+    assert len(files) >= 4
+    for f in files:
+        load_pipeline_config(f).drafter.check(args)

@@ -80,6 +80,14 @@ def cmd_demo(args) -> None:
     run_demo(n_questions=args.questions, max_new_tokens=args.max_new_tokens)
 
 
+def cmd_job(args) -> None:
+    """The Ray jobs of jobs/*.py, on a local Ray instance or the cluster in RAY_ADDRESS."""
+    from flexdraft.jobs import run_stage
+    from flexdraft.pipeline import load_pipeline_config
+
+    run_stage(load_pipeline_config(args.config), args.stage)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flexdraft", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -108,6 +116,14 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-new-tokens", type=int, default=64)
     b.add_argument("--repeats", type=int, default=3)
     b.set_defaults(func=cmd_bench_ar)
+
+    for name, stage, help_ in [("distill", "distill", "self-distillation data (Ray actors)"),
+                               ("tune-attention", "attention", "attention tuning (Ray Train + DeepSpeed)"),
+                               ("calibrate", "calibration", "calibration MLP (Ray Train + DeepSpeed)"),
+                               ("pipeline", "pipeline", "distill, then attention tuning, then calibration")]:
+        j = sub.add_parser(name, help=help_)
+        j.add_argument("--config", default="configs/smollm2.yaml", help="pipeline YAML")
+        j.set_defaults(func=cmd_job, stage=stage)
 
     d = sub.add_parser("demo", help="the main job on embedded defaults")
     d.add_argument("--questions", type=int, default=4)

@@ -66,8 +66,9 @@ def flatten(d: dict, prefix: str = "") -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def start_run(experiment: str, config: dict, run_name: str | None = None):
-    """`with start_run("ar-benchmark", cfg) as run:` -> an active MLflow run with config, commit, hardware."""
+def start_run(experiment: str, config: dict, run_name: str | None = None, run_id: str | None = None):
+    """`with start_run("ar-benchmark", cfg) as run:` -> an active MLflow run with config, commit, hardware.
+    run_id: reopen that run (a resumed job) instead of starting a new one."""
     import mlflow
 
     mlflow.set_tracking_uri(tracking_uri())
@@ -76,6 +77,10 @@ def start_run(experiment: str, config: dict, run_name: str | None = None):
         artifacts = None if os.environ.get("MLFLOW_TRACKING_URI") else (data_dir() / "mlartifacts").as_uri()
         mlflow.create_experiment(experiment, artifact_location=artifacts)
     mlflow.set_experiment(experiment)
+    if run_id is not None:
+        with mlflow.start_run(run_id=run_id) as run:
+            yield run
+        return
     with mlflow.start_run(run_name=run_name) as run:
         mlflow.log_params(flatten(config))
         mlflow.set_tags({"git_commit": git_commit(), **{f"hw.{k}": v for k, v in hardware().items()}})

@@ -1,0 +1,424 @@
+"""The pipeline's Ray side: distill (Ray actors), attention tuning and calibration (Ray Train TorchTrainer +
+DeepSpeed). The entrypoints in jobs/ and the `flexdraft` CLI call these; nothing else in the library
+imports Ray.
+
+Training resumes exactly: a checkpoint holds the DeepSpeed state (drafter, optimizer, scheduler) and the
+step; batch order and anchors are functions of (seed, rank, step), so a run restarted from a checkpoint
+takes the same steps it would have taken.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from flexdraft.config import RuntimeConfig, from_dict
+from flexdraft.errors import FlexDraftError
+from flexdraft.pipeline import PipelineConfig, TrainConfig
+
+STAGES = ("attention", "calibration")
+
+
+def log(stage: str, msg: str) -> None:
+    print(f"[{stage}] {msg}", flush=True)
+
+
+def _model_args(cfg: PipelineConfig):
+    from flexdraft.models.config import ModelArgs
+    from flexdraft.models.loading import resolve_source
+
+    folder = resolve_source(cfg.model)
+    return ModelArgs.from_hf_config(json.loads((folder / "config.json").read_text()))
+
+
+# ---------------------------------------------------------------------------------------------- distill
+
+def run_distill(cfg: PipelineConfig) -> Path:
+    """Answer the selected prompts with the target, one shard per actor call; finished shards are skipped."""
+    import ray
+
+    from flexdraft.distill import select_prompts, shards, write_manifest
+    from flexdraft.models.loading import load_model
+
+    out = cfg.distill_dir()
+    if (out / "manifest.json").is_file():
+        log("distill", f"reusing {out} (finished earlier with this config)")
+        return out
+    init_ray()
+    out.mkdir(parents=True, exist_ok=True)
+    runtime = RuntimeConfig(device="cpu" if not cfg.workers.use_gpu else "auto", dtype=cfg.distill.dtype,
+                            threads=cfg.workers.threads_per_worker)
+    tokenizer = load_model(cfg.model, runtime, with_tokenizer=True).tokenizer
+    prompts = select_prompts(cfg, tokenizer)
+    todo = [(name, rows) for name, rows in shards(prompts, cfg.distill.shard_size) if not (out / name).is_file()]
+    n_shards = len(shards(prompts, cfg.distill.shard_size))
+    log("distill", f"{len(prompts)} prompts in {n_shards} shards -> {out}; {n_shards - len(todo)} already done")
+
+    @ray.remote(num_cpus=cfg.workers.threads_per_worker, num_gpus=1 if cfg.workers.use_gpu else 0)
+    class Answerer:
+        def __init__(self):
+            from flexdraft.models.loading import load_model
+
+            self.lm = load_model(cfg.model, runtime, with_tokenizer=True)  # the tokenizer knows the EOS ids
+
+        def answer(self, rows, path):
+            from flexdraft.distill import answer_shard
+
+            return answer_shard(self.lm, rows, cfg, Path(path))
+
+    if todo:
+        actors = [Answerer.remote() for _ in range(min(cfg.workers.num_workers, len(todo)))]
+        pool = ray.util.ActorPool(actors)
+        t0, tokens = time.perf_counter(), 0
+        for done, res in enumerate(pool.map_unordered(lambda a, job: a.answer.remote(job[1], str(out / job[0])),
+                                                      todo), 1):
+            tokens += res["answer_tokens"]
+            elapsed = time.perf_counter() - t0
+            log("distill", f"shard {res['file']} done ({done}/{len(todo)}): {res['answer_tokens']} answer tokens "
+                           f"in {res['seconds']:.0f}s; total {tokens} tokens, {tokens / elapsed:.0f} tok/s")
+        for a in actors:
+            ray.kill(a)
+    manifest = write_manifest(out, cfg)
+    log("distill", f"done: train {manifest['train']}, validation {manifest['validation']}")
+    return out
+
+
+# --------------------------------------------------------------------------------------------- training
+
+def _stage_config(cfg: PipelineConfig, stage: str) -> TrainConfig:
+    return cfg.attention if stage == "attention" else cfg.calibration
+
+
+def run_key(cfg: PipelineConfig, stage: str) -> str:
+    """Identifies a training run: the same key resumes, any config change starts afresh."""
+    parts = [cfg.model, asdict(cfg.drafter), asdict(_stage_config(cfg, stage)), asdict(cfg.distill),
+             cfg.workers.num_workers]
+    if stage == "calibration":
+        parts.append(asdict(cfg.attention))
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:10]
+
+
+def _train_dtype(tc: TrainConfig, device: torch.device) -> torch.dtype:
+    if tc.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if tc.dtype == "float16" and device.type != "cuda":
+        raise FlexDraftError("training dtype float16 is GPU-only: use float32 or bfloat16 on CPU")
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[tc.dtype]
+
+
+def _deepspeed_config(tc: TrainConfig, dtype: torch.dtype) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": tc.batch_size,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": tc.zero_stage},
+        "bf16": {"enabled": dtype == torch.bfloat16},
+        "fp16": {"enabled": dtype == torch.float16},
+        "zero_allow_untested_optimizer": True,  # torch AdamW: DeepSpeed's CPU Adam needs a compiler at run time
+        "steps_per_print": 10 ** 9,
+    }
+
+
+def _lr_lambda(tc: TrainConfig):
+    import math
+
+    def f(step: int) -> float:  # linear warm-up, then cosine down to 10%
+        if step < tc.warmup_steps:
+            return (step + 1) / tc.warmup_steps
+        t = (step - tc.warmup_steps) / max(1, tc.steps - tc.warmup_steps)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(t, 1.0)))
+    return f
+
+
+def _rows(ds_shard, max_len: int, min_len_after_prompt: int) -> list[dict]:
+    """A worker's sequences, in a fixed order (by id), cut to max_len; too short ones dropped."""
+    rows = []
+    for r in ds_shard.iter_rows():
+        ids = [int(t) for t in r["input_ids"]][:max_len]
+        if len(ids) - int(r["prompt_len"]) >= min_len_after_prompt:
+            rows.append({"id": r["id"], "input_ids": ids, "prompt_len": int(r["prompt_len"])})
+    return sorted(rows, key=lambda r: r["id"])
+
+
+def _batch(rows: list[dict], step: int, bs: int, seed: int) -> list[dict]:
+    """The step's sequences: an epoch-wise seeded permutation, a function of the step alone."""
+    out = []
+    for i in range(step * bs, step * bs + bs):
+        epoch, k = divmod(i, len(rows))
+        perm = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed * 100003 + epoch))
+        out.append(rows[int(perm[k])])
+    return out
+
+
+def _evaluate(drafter, target, rows: list[dict], tc: TrainConfig, rank: int, world: int, device) -> dict:
+    """Agreement metrics over the validation sequences, split across workers and summed."""
+    import torch.distributed as dist
+
+    from flexdraft.training import add_counts, agreement_counts, agreement_metrics, collate
+
+    mine = rows[rank::world]
+    counts = None
+    for i in range(0, len(mine), 2):
+        c = agreement_counts(drafter, target, collate(mine[i:i + 2], device), tc.eval_stride, tc.eval_anchors)
+        counts = c if counts is None else add_counts(counts, c)
+    keys = sorted(counts)
+    flat = torch.tensor([x for k in keys for x in (counts[k] if isinstance(counts[k], list) else [counts[k]])],
+                        dtype=torch.float64)
+    if world > 1:
+        dist.all_reduce(flat)
+    total, i = {}, 0
+    for k in keys:
+        n = len(counts[k]) if isinstance(counts[k], list) else 1
+        vals = flat[i:i + n].tolist()
+        total[k] = vals if isinstance(counts[k], list) else vals[0]
+        i += n
+    return agreement_metrics(total)
+
+
+def train_func(config: dict) -> None:
+    """Ray Train worker loop (one per worker): DeepSpeed over the drafter's trainable tensors, the frozen target
+    beside it, checkpoints through ray.train.report, exact resume from ray.train.get_checkpoint()."""
+    import ray.train
+    import ray.train.torch
+
+    cfg: PipelineConfig = from_dict(PipelineConfig, config["pipeline"])
+    stage: str = config["stage"]
+    tc = _stage_config(cfg, stage)
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if cfg.workers.use_gpu else "cpu")
+    import deepspeed
+
+    from flexdraft.drafter import Drafter, load_drafter, save_drafter, weights_fingerprint
+    from flexdraft.models.loading import load_model
+    from flexdraft.training import collate, training_step
+
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    torch.set_num_threads(cfg.workers.threads_per_worker)
+    device = ray.train.torch.get_device()
+    dtype = _train_dtype(tc, device)
+    runtime = RuntimeConfig(device=str(device), dtype={torch.float32: "float32", torch.bfloat16: "bfloat16",
+                                                        torch.float16: "float16"}[dtype],
+                            threads=cfg.workers.threads_per_worker, cpu_prepack=False)
+    lm = load_model(cfg.model, runtime, with_tokenizer=False)
+    target = lm.model
+    drafter = (Drafter.from_target(target, cfg.drafter) if stage == "attention"
+               else load_drafter(cfg.drafter_dir("attention"), target))
+    params = drafter.parameters_for(stage)
+    optimizer = torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(tc))
+    engine, optimizer, _, scheduler = deepspeed.initialize(
+        model=drafter, optimizer=optimizer, lr_scheduler=scheduler, model_parameters=params,
+        config=_deepspeed_config(tc, dtype))
+
+    start = 0
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint:
+        with checkpoint.as_directory() as d:
+            _, client = engine.load_checkpoint(d, tag="ds")
+        start = client["step"]
+
+    B = cfg.drafter.block_size
+    train_rows = _rows(ray.train.get_dataset_shard("train"), tc.max_seq_len, B + 2)
+    val_rows = _rows(ray.train.get_dataset_shard("validation"), tc.max_seq_len, B + 2)[: tc.eval_sequences]
+    if not train_rows:
+        raise FlexDraftError(f"worker {rank} got no training sequence long enough for a block of {B}")
+
+    mlflow = None
+    if rank == 0:
+        import mlflow
+
+        mlflow.set_tracking_uri(config["mlflow_uri"])
+        mlflow.start_run(run_id=config["mlflow_run_id"])
+        if start == 0:
+            mlflow.log_params({"train_sequences_rank0": len(train_rows), "world_size": world})
+
+    def report(metrics: dict, step: int, save: bool) -> None:
+        if mlflow is not None:
+            mlflow.log_metrics({k: float(v) for k, v in metrics.items()}, step=step)
+        if not save:
+            ray.train.report({**metrics, "step": step})
+            return
+        with tempfile.TemporaryDirectory() as tmp:
+            engine.save_checkpoint(tmp, tag="ds", client_state={"step": step})
+            ray.train.report({**metrics, "step": step}, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+
+    if start == 0 and stage == "attention":  # the untrained drafter, for before/after
+        engine.module.eval()
+        report({f"eval/{k}": v for k, v in _evaluate(engine.module, target, val_rows, tc, rank, world, device).items()},
+               0, save=False)
+
+    t_window, seq_tokens, blocks, losses = time.perf_counter(), 0, 0, []
+    t_run, run_totals = time.perf_counter(), torch.zeros(2, dtype=torch.float64)  # this attempt's tokens, blocks
+    for step in range(start, tc.steps):
+        if config.get("fail_at_step") == step and not Path(config["fail_marker"]).exists():
+            Path(config["fail_marker"]).touch()  # fail once (the resumed attempt passes this step)
+            raise RuntimeError(f"injected failure at step {step}")
+        engine.module.train()
+        seqs = collate(_batch(train_rows, step, tc.batch_size, tc.seed * 1000 + rank), device)
+        g = torch.Generator().manual_seed(hash((tc.seed, rank, step)) % 2 ** 62)
+        out = training_step(engine.module, target, seqs, stage, tc.anchors_per_seq, tc.loss, tc.slot_decay, g)
+        engine.backward(out.loss)
+        engine.step()
+        losses.append(out.loss.item())
+        seq_tokens += out.tokens
+        blocks += out.blocks
+        run_totals += torch.tensor([out.tokens, out.blocks], dtype=torch.float64)
+        done = step + 1
+        if done % tc.log_every == 0 or done % tc.checkpoint_every == 0 or done == tc.steps:
+            stats = torch.tensor([sum(losses) / len(losses), seq_tokens, blocks], dtype=torch.float64)
+            if world > 1:
+                torch.distributed.all_reduce(stats)
+            dt = time.perf_counter() - t_window
+            metrics = {"train/loss": stats[0].item() / world, "train/lr": scheduler.get_last_lr()[0],
+                       "train/seq_tokens_per_s": stats[1].item() / dt, "train/blocks_per_s": stats[2].item() / dt}
+            if rank == 0:
+                print(f"[{stage}] step {done}/{tc.steps} loss {metrics['train/loss']:.3f} "
+                      f"lr {metrics['train/lr']:.2e} {metrics['train/seq_tokens_per_s']:.0f} seq tok/s "
+                      f"{metrics['train/blocks_per_s']:.1f} blocks/s", flush=True)
+            report(metrics, done, save=done % tc.checkpoint_every == 0 or done == tc.steps)
+            t_window, seq_tokens, blocks, losses = time.perf_counter(), 0, 0, []
+
+    train_seconds = time.perf_counter() - t_run
+    if world > 1:
+        torch.distributed.all_reduce(run_totals)
+    throughput = {"train/mean_seq_tokens_per_s": run_totals[0].item() / train_seconds,
+                  "train/mean_blocks_per_s": run_totals[1].item() / train_seconds}
+    engine.module.eval()
+    final = {f"eval/{k}": v for k, v in _evaluate(engine.module, target, val_rows, tc, rank, world, device).items()}
+    if rank == 0:
+        info = {"stage": stage, "steps": tc.steps, "eval": final, "run_key": config["run_key"],
+                "train_seconds": train_seconds, **throughput}
+        mlflow.log_metrics(throughput, step=tc.steps)
+        folder = save_drafter(engine.module, cfg.drafter_dir(stage), lm.name, weights_fingerprint(target), info)
+        mlflow.log_metrics({k: float(v) for k, v in final.items()}, step=tc.steps)
+        mlflow.log_artifacts(str(folder), artifact_path=f"drafter-{stage}")
+        mlflow.set_tag("drafter_path", str(folder))
+        mlflow.end_run()
+    ray.train.report({**final, "step": tc.steps})
+
+
+def preflight(cfg: PipelineConfig, stage: str) -> dict[str, list[Path]]:
+    """Every check that can fail before work starts: drafter config vs the model, data, the tuned drafter."""
+    from flexdraft.distill import read_split
+
+    if stage not in STAGES:
+        raise FlexDraftError(f"unknown training stage {stage!r}: {' or '.join(STAGES)}")
+    cfg.drafter.check(_model_args(cfg))
+    import pyarrow.parquet as pq
+
+    files = {split: read_split(cfg.distill_dir(), split) for split in ("train", "validation")}
+    for split, paths in files.items():
+        if sum(pq.ParquetFile(f).metadata.num_rows for f in paths) == 0:
+            raise FlexDraftError(f"the {split} data in {cfg.distill_dir()} is empty")
+    if stage == "calibration":
+        from flexdraft.drafter import read_drafter_meta, weights_fingerprint
+        from flexdraft.models.loading import load_model
+
+        meta = read_drafter_meta(cfg.drafter_dir("attention"))
+        target = load_model(cfg.model, RuntimeConfig(device="cpu", dtype="float32", cpu_prepack=False),
+                            with_tokenizer=False).model
+        if meta["base_fingerprint"] != weights_fingerprint(target):
+            raise FlexDraftError(f"the drafter in {cfg.drafter_dir('attention')} was trained for other base weights "
+                                 f"({meta['base_model']}) than {cfg.model}")
+        if meta.get("run_key") != run_key(cfg, "attention"):
+            raise FlexDraftError(f"the drafter in {cfg.drafter_dir('attention')} was tuned with another config: "
+                                 "run attention tuning with this config first")
+    return files
+
+
+def run_training(cfg: PipelineConfig, stage: str, fail_at_step: int | None = None):
+    """Fit one stage with TorchTrainer; reuses a finished result and resumes an interrupted run."""
+    import ray
+    from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from flexdraft.drafter import read_drafter_meta
+    from flexdraft.tracking import start_run, tracking_uri
+
+    files = preflight(cfg, stage)
+    init_ray()
+    key = run_key(cfg, stage)
+    out = cfg.drafter_dir(stage)
+    if (out / "drafter.json").is_file() and read_drafter_meta(out).get("run_key") == key:
+        log(stage, f"reusing {out} (trained earlier with this config)")
+        return read_drafter_meta(out)
+    run_file = cfg.root / f"{stage}-{key}.mlflow-run"
+    run_id = run_file.read_text().strip() if run_file.is_file() else None
+    with start_run(cfg.mlflow_experiment, {"stage": stage, "run_key": key, **asdict(cfg)},
+                   run_name=f"{cfg.name}-{stage}", run_id=run_id) as run:
+        run_file.parent.mkdir(parents=True, exist_ok=True)
+        run_file.write_text(run.info.run_id)
+    log(stage, f"{'resuming' if run_id else 'starting'} {cfg.workers.num_workers} workers; MLflow run {run.info.run_id}")
+    w = cfg.workers
+    trainer = TorchTrainer(
+        train_func,
+        train_loop_config={"pipeline": asdict(cfg), "stage": stage, "run_key": key, "mlflow_uri": tracking_uri(),
+                           "mlflow_run_id": run.info.run_id, "fail_at_step": fail_at_step,
+                           "fail_marker": str(cfg.root / f"{stage}-{key}.failed-once")},
+        scaling_config=ScalingConfig(num_workers=w.num_workers, use_gpu=w.use_gpu,
+                                     resources_per_worker={"CPU": w.threads_per_worker}),
+        # read before the workers start: once they hold every CPU of a small machine, read tasks would wait forever
+        datasets={split: ray.data.read_parquet([str(f) for f in files[split]]).materialize()
+                  for split in ("train", "validation")},
+        dataset_config=DataConfig(datasets_to_split=["train"]),
+        run_config=RunConfig(name=f"{stage}-{key}", storage_path=str(cfg.root / "ray"),
+                             failure_config=FailureConfig(max_failures=w.max_failures),
+                             checkpoint_config=CheckpointConfig(num_to_keep=2)),
+    )
+    result = trainer.fit()
+    meta = read_drafter_meta(out)
+    ev = meta["eval"]
+    log(stage, f"done: drafter at {out}; validation tau with bonus {ev['eval/bonus/tau']:.2f}, "
+               f"masked {ev['eval/mask/tau']:.2f}, masked+calibrated {ev['eval/mask_calibrated/tau']:.2f}")
+    return {**meta, "checkpoint": str(result.checkpoint.path) if result.checkpoint else None}
+
+
+# ------------------------------------------------------------------------------------------ entrypoints
+
+def init_ray() -> None:
+    """Join the cluster named by RAY_ADDRESS (set under `ray job submit`), else start a local one."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=True)
+    ray.data.DataContext.get_current().enable_progress_bars = False  # the jobs print their own progress
+
+
+def run_stage(cfg: PipelineConfig, stage: str):
+    """Run one stage ("distill", "attention", "calibration") or all ("pipeline"); every check that can fail
+    runs before Ray starts (local) or is joined (RAY_ADDRESS)."""
+    cfg.output_dir = str(cfg.root.resolve())  # workers must not depend on their own environment for it
+    if stage == "distill":
+        return run_distill(cfg)
+    if stage == "pipeline":
+        t0 = time.perf_counter()
+        run_distill(cfg)
+        run_training(cfg, "attention")
+        meta = run_training(cfg, "calibration")
+        log("pipeline", f"all stages done in {time.perf_counter() - t0:.0f}s; drafter at {cfg.drafter_dir('calibration')}")
+        return meta
+    return run_training(cfg, stage)
+
+
+def job_main(stage: str, argv: list[str] | None = None) -> None:
+    """`python jobs/<job>.py --config FILE`: the same whether run directly or through `ray job submit`."""
+    import argparse
+    import sys
+
+    from flexdraft.pipeline import load_pipeline_config
+
+    parser = argparse.ArgumentParser(prog=f"jobs/{stage}", description=f"FlexDraft {stage} job on Ray")
+    parser.add_argument("--config", required=True, help="pipeline YAML (e.g. configs/smollm2.yaml)")
+    args = parser.parse_args(argv)
+    try:
+        run_stage(load_pipeline_config(args.config), stage)
+    except FlexDraftError as e:
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        sys.exit(2)

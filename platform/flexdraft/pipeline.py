@@ -1,0 +1,109 @@
+"""The training pipeline's configuration (one YAML file for distill, attention tuning and calibration) and
+where each stage keeps its outputs."""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from flexdraft.config import data_dir, load_yaml
+from flexdraft.drafter import DrafterConfig
+from flexdraft.errors import FlexDraftError
+
+
+@dataclass
+class DistillConfig:
+    num_prompts: int = 800  # ShareGPT first turns answered by the target (train + validation)
+    validation_prompts: int = 40
+    min_prompt_tokens: int = 8
+    max_prompt_tokens: int = 160
+    max_new_tokens: int = 192
+    batch_size: int = 16
+    shard_size: int = 64  # prompts per shard: the unit of parallelism and of resumption
+    dtype: str = "bfloat16"  # the target's dtype while answering (its greedy answers are the training data)
+    seed: int = 0
+
+
+@dataclass
+class TrainConfig:
+    # Many small steps beat few large ones at equal compute (measured, SmolLM2 k=12, 6 CPU-minutes: 185 steps
+    # of 1 sequence x 16 blocks reach the validation tau that 100 steps of 4 x 40 reached in 36 CPU-minutes)
+    steps: int = 400  # optimizer steps (each worker: batch_size sequences per step)
+    batch_size: int = 1  # sequences per worker per step
+    anchors_per_seq: int = 16  # blocks per sequence per step
+    max_seq_len: int = 384  # sequences are cut to this many tokens
+    lr: float = 1e-3
+    warmup_steps: int = 10
+    weight_decay: float = 0.0
+    loss: str = "ce"  # ce: cross-entropy to the target's greedy tokens; kl: KL(p_target || q)
+    slot_decay: float = 0.8  # slot j's loss weight is slot_decay^(j-1)
+    zero_stage: int = 2
+    dtype: str = "auto"  # auto: float32 on CPU (bf16 training measured 2x slower there), bfloat16 on GPU
+    checkpoint_every: int = 100
+    log_every: int = 20
+    eval_sequences: int = 40  # validation sequences for the agreement metrics
+    eval_stride: int = 7  # one evaluation anchor every eval_stride answer positions
+    eval_anchors: int = 24  # at most this many per sequence
+    seed: int = 0
+
+    def check(self, where: str) -> None:
+        for key in ("steps", "batch_size", "anchors_per_seq", "checkpoint_every", "log_every", "eval_stride",
+                    "eval_anchors"):
+            if getattr(self, key) < 1:
+                raise FlexDraftError(f"config.{where}.{key} must be >= 1, got {getattr(self, key)}")
+        if self.loss not in ("ce", "kl"):
+            raise FlexDraftError(f"config.{where}.loss must be ce or kl, got {self.loss!r}")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise FlexDraftError(f"config.{where}.zero_stage must be 0-3, got {self.zero_stage}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise FlexDraftError(f"config.{where}.dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+
+
+@dataclass
+class WorkersConfig:
+    num_workers: int = 2  # Ray Train workers (and distill actors)
+    threads_per_worker: int = 1  # two 1-thread processes use both cores of the dev machine without contention
+    use_gpu: bool = False
+    max_failures: int = 3  # Ray Train restarts from the last checkpoint this many times
+
+
+@dataclass
+class PipelineConfig:
+    name: str = "smollm2-default"
+    output_dir: str = ""  # where every stage writes (on a cluster: shared storage); "" = $FLEXDRAFT_HOME/pipelines/<name>
+    model: str = "smollm2"  # 'smollm2' (bundled), a .gguf file or a HF folder
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    attention: TrainConfig = field(default_factory=TrainConfig)
+    calibration: TrainConfig = field(default_factory=lambda: TrainConfig(steps=150, checkpoint_every=50, log_every=25))
+    workers: WorkersConfig = field(default_factory=WorkersConfig)
+    mlflow_experiment: str = "flexdraft-training"
+
+    def __post_init__(self):
+        if not self.name or "/" in self.name:
+            raise FlexDraftError(f"config.name must be a non-empty name without '/', got {self.name!r}")
+        self.attention.check("attention")
+        self.calibration.check("calibration")
+        if self.workers.num_workers < 1:
+            raise FlexDraftError(f"config.workers.num_workers must be >= 1, got {self.workers.num_workers}")
+        if self.distill.validation_prompts >= self.distill.num_prompts:
+            raise FlexDraftError("config.distill.validation_prompts must be smaller than num_prompts")
+
+    @property
+    def root(self) -> Path:
+        return Path(self.output_dir).expanduser() if self.output_dir else data_dir() / "pipelines" / self.name
+
+    def distill_dir(self) -> Path:
+        """Beside the pipeline's folder, keyed by the model and the distill config: pipelines that differ only
+        in the drafter or training share their data, and a changed distill config never reuses stale data."""
+        key = hashlib.sha256(json.dumps([self.model, asdict(self.distill)], sort_keys=True).encode()).hexdigest()[:10]
+        return self.root.parent / "distill" / key
+
+    def drafter_dir(self, stage: str) -> Path:
+        """attention: the tuned drafter; calibration: the final (calibrated) drafter."""
+        return self.root / ("drafter" if stage == "calibration" else "drafter-attention")
+
+
+def load_pipeline_config(path: str | Path) -> PipelineConfig:
+    return load_yaml(PipelineConfig, path)

@@ -1,0 +1,149 @@
+"""The Ray jobs, end to end on one shared Ray instance (started like a user would: `ray start --head`):
+distill on the real model, attention tuning and calibration on a tiny model with 2 Ray Train workers +
+DeepSpeed, exact resume after a worker failure, `ray job submit`, and bad input failing before any work."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import make_tiny_hf
+from flexdraft.config import from_dict
+from flexdraft.errors import FlexDraftError
+from flexdraft.pipeline import PipelineConfig
+
+REPO = Path(__file__).resolve().parents[1]
+RAY = str(Path(sys.executable).parent / "ray")
+# as a user with the venv activated: the cluster's `python` (which runs submitted jobs) is the venv's
+ENV = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false",
+       "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
+
+
+@pytest.fixture(scope="module")
+def ray_head():
+    subprocess.run([RAY, "start", "--head", "--num-cpus=2", "--disable-usage-stats"], env=ENV, check=True,
+                   capture_output=True)
+    import ray
+
+    os.environ["RAY_ADDRESS"] = "auto"
+    ray.init(address="auto")
+    yield "http://127.0.0.1:8265"
+    ray.shutdown()
+    os.environ.pop("RAY_ADDRESS", None)
+    subprocess.run([RAY, "stop", "--force"], env=ENV, capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_pipeline(tmp_path_factory):
+    """A tiny llama, its 'distilled' data (random sequences in the distill format) and a config."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    root = tmp_path_factory.mktemp("pipeline")
+    make_tiny_hf("llama", root / "model")
+    raw = {"name": "tiny", "output_dir": str(root / "out"), "model": str(root / "model"),
+           "drafter": {"k": 2, "block_size": 4},
+           "distill": {"num_prompts": 24, "validation_prompts": 4},
+           "attention": {"steps": 6, "anchors_per_seq": 8, "checkpoint_every": 3, "log_every": 3, "eval_sequences": 4},
+           "calibration": {"steps": 4, "anchors_per_seq": 8, "checkpoint_every": 2, "log_every": 2,
+                           "eval_sequences": 4}}
+    cfg = from_dict(PipelineConfig, raw)
+    data = cfg.distill_dir()
+    data.mkdir(parents=True)
+    g = torch.Generator().manual_seed(0)
+    for split, n in (("train", 20), ("validation", 4)):
+        ids = [torch.randint(3, 96, (int(torch.randint(30, 60, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(n)]
+        pq.write_table(pa.table({"id": [f"{split}{i}" for i in range(n)], "input_ids": ids, "prompt_len": [8] * n,
+                                 "finish_reason": ["length"] * n}), data / f"{split}-00000.parquet")
+    (root / "tiny.yaml").write_text(json.dumps(raw))  # JSON is YAML
+    return cfg, raw, root
+
+
+def mlflow_history(uri: str, run_id: str, key: str) -> list[int]:
+    from mlflow.tracking import MlflowClient
+
+    return sorted(m.step for m in MlflowClient(uri).get_metric_history(run_id, key))
+
+
+def test_attention_then_calibration_with_a_failure_resume_exactly(ray_head, tiny_pipeline, mlflow_uri):
+    """Attention tuning (2 workers, ZeRO-2) writes checkpoints, a drafter and an MLflow run with before/after
+    agreement; calibration, killed by a worker error right after its step-2 checkpoint, restarts from it and
+    ends at step 4 having logged steps 2 and 4 once each (nothing repeated, nothing lost)."""
+    from flexdraft.jobs import run_stage
+
+    cfg, _, _ = tiny_pipeline
+    meta = run_stage(cfg, "attention")
+    assert meta["steps"] == 6 and meta["checkpoint"] and Path(meta["checkpoint"]).is_dir()
+    run_id = (cfg.root / f"attention-{meta['run_key']}.mlflow-run").read_text()
+    assert mlflow_history(mlflow_uri, run_id, "train/loss") == [3, 6]
+    assert mlflow_history(mlflow_uri, run_id, "eval/bonus/tau") == [0, 6]  # before and after tuning
+
+    from flexdraft.jobs import run_training
+
+    meta = run_training(cfg, "calibration", fail_at_step=2)
+    assert (cfg.root / f"calibration-{meta['run_key']}.failed-once").is_file()  # the failure did happen
+    run_id = (cfg.root / f"calibration-{meta['run_key']}.mlflow-run").read_text()
+    assert mlflow_history(mlflow_uri, run_id, "train/loss") == [2, 4]
+    assert meta["steps"] == 4 and (cfg.root / "drafter" / "drafter.safetensors").is_file()
+    # a re-run with the same config reuses the result instead of training again
+    assert run_stage(cfg, "calibration")["run_key"] == meta["run_key"]
+
+
+def test_ray_job_submit_runs_the_attention_job(ray_head, tiny_pipeline, tmp_path):
+    """`ray job submit --working-dir . -- python jobs/attn_tuning.py --config ...` against `ray start --head`."""
+    _, raw, _ = tiny_pipeline
+    cfg = dict(raw, output_dir=str(tmp_path / "out"), attention=dict(raw["attention"], steps=3))
+    src = from_dict(PipelineConfig, raw).distill_dir()  # the tiny data, shared
+    dst = from_dict(PipelineConfig, cfg).distill_dir()
+    dst.parent.mkdir(parents=True)
+    dst.symlink_to(src)
+    (tmp_path / "job.yaml").write_text(json.dumps(cfg))
+    env = {**ENV, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+    proc = subprocess.run([RAY, "job", "submit", "--address", ray_head, "--working-dir", str(REPO),
+                           "--runtime-env-json", json.dumps({"env_vars": {k: env[k] for k in (
+                               "MLFLOW_TRACKING_URI", "TOKENIZERS_PARALLELISM")}}),
+                           "--", "python", "jobs/attn_tuning.py", "--config", str(tmp_path / "job.yaml")],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "[attention] done" in proc.stdout
+    assert (tmp_path / "out" / "drafter-attention" / "drafter.json").is_file()
+
+
+@pytest.mark.parametrize("change,msg", [
+    ({"drafter": {"k": 9}}, "between 1 and the model's 4 layers"),
+    ({"attention": {"stepz": 3}}, "unknown key"),
+    ({"attention": {"steps": "many"}}, "config.attention.steps: expected int"),
+    ({"distill": {"seed": 1}}, "no train data"),  # another distill config = data not made yet
+], ids=["k-too-large", "unknown-key", "wrong-type", "missing-data"])
+def test_bad_input_fails_before_any_work(tiny_pipeline, tmp_path, change, msg):
+    """Each a one-line error and exit status 2 from the job entrypoint, before Ray starts."""
+    _, raw, _ = tiny_pipeline
+    bad = {**raw, **{k: {**raw.get(k, {}), **v} for k, v in change.items()}}
+    (tmp_path / "bad.yaml").write_text(json.dumps(bad))
+    env = {k: v for k, v in ENV.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run([sys.executable, "jobs/attn_tuning.py", "--config", str(tmp_path / "bad.yaml")],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert msg in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "Started a local Ray instance" not in proc.stdout + proc.stderr
+
+
+def test_calibration_refuses_a_drafter_for_other_weights(tiny_pipeline, tmp_path):
+    from flexdraft.drafter import Drafter, DrafterConfig, save_drafter
+    from flexdraft.jobs import preflight
+    from flexdraft.models.loading import load_model
+
+    _, raw, _ = tiny_pipeline
+    make_tiny_hf("llama", tmp_path / "other", seed=1)
+    other = load_model(tmp_path / "other", with_tokenizer=False).model
+    cfg = from_dict(PipelineConfig, {**raw, "output_dir": str(tmp_path / "out")})
+    cfg.distill_dir().parent.mkdir(parents=True)
+    cfg.distill_dir().symlink_to(from_dict(PipelineConfig, raw).distill_dir())
+    save_drafter(Drafter.from_target(other, DrafterConfig(k=2, block_size=4)), cfg.drafter_dir("attention"),
+                 "other", "0123456789abcdef")
+    with pytest.raises(FlexDraftError, match="other base weights"):
+        preflight(cfg, "calibration")
