@@ -118,7 +118,8 @@ def test_ray_job_submit_runs_the_attention_job(ray_head, tiny_pipeline, tmp_path
     ({"attention": {"stepz": 3}}, "unknown key"),
     ({"attention": {"steps": "many"}}, "config.attention.steps: expected int"),
     ({"distill": {"seed": 1}}, "no train data"),  # another distill config = data not made yet
-], ids=["k-too-large", "unknown-key", "wrong-type", "missing-data"])
+    ({"attention": {"dtype": "float16"}}, "float16 is GPU-only"),
+], ids=["k-too-large", "unknown-key", "wrong-type", "missing-data", "fp16-on-cpu"])
 def test_bad_input_fails_before_any_work(tiny_pipeline, tmp_path, change, msg):
     """Each a one-line error and exit status 2 from the job entrypoint, before Ray starts."""
     _, raw, _ = tiny_pipeline

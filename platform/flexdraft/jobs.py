@@ -56,9 +56,10 @@ def run_distill(cfg: PipelineConfig) -> Path:
                             threads=cfg.workers.threads_per_worker)
     tokenizer = load_model(cfg.model, runtime, with_tokenizer=True).tokenizer
     prompts = select_prompts(cfg, tokenizer)
-    todo = [(name, rows) for name, rows in shards(prompts, cfg.distill.shard_size) if not (out / name).is_file()]
-    n_shards = len(shards(prompts, cfg.distill.shard_size))
-    log("distill", f"{len(prompts)} prompts in {n_shards} shards -> {out}; {n_shards - len(todo)} already done")
+    all_shards = shards(prompts, cfg.distill.shard_size)
+    todo = [(name, rows) for name, rows in all_shards if not (out / name).is_file()]
+    log("distill", f"{len(prompts)} prompts in {len(all_shards)} shards -> {out}; "
+                   f"{len(all_shards) - len(todo)} already done")
 
     @ray.remote(num_cpus=cfg.workers.threads_per_worker, num_gpus=1 if cfg.workers.use_gpu else 0)
     class Answerer:
@@ -102,14 +103,6 @@ def run_key(cfg: PipelineConfig, stage: str) -> str:
     if stage == "calibration":
         parts.append(asdict(cfg.attention))
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:10]
-
-
-def _train_dtype(tc: TrainConfig, device: torch.device) -> torch.dtype:
-    if tc.dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if tc.dtype == "float16" and device.type != "cuda":
-        raise FlexDraftError("training dtype float16 is GPU-only: use float32 or bfloat16 on CPU")
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[tc.dtype]
 
 
 def _deepspeed_config(tc: TrainConfig, dtype: torch.dtype) -> dict:
@@ -201,10 +194,10 @@ def train_func(config: dict) -> None:
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     torch.set_num_threads(cfg.workers.threads_per_worker)
     device = ray.train.torch.get_device()
-    dtype = _train_dtype(tc, device)
-    runtime = RuntimeConfig(device=str(device), dtype={torch.float32: "float32", torch.bfloat16: "bfloat16",
-                                                        torch.float16: "float16"}[dtype],
-                            threads=cfg.workers.threads_per_worker, cpu_prepack=False)
+    # dtype auto: float32 on CPU (bf16 training measured 2x slower there), bfloat16 on GPU
+    runtime = RuntimeConfig(device=str(device), dtype=tc.dtype, threads=cfg.workers.threads_per_worker,
+                            cpu_prepack=False)
+    dtype = runtime.torch_dtype()
     lm = load_model(cfg.model, runtime, with_tokenizer=False)
     target = lm.model
     drafter = (Drafter.from_target(target, cfg.drafter) if stage == "attention"
@@ -305,12 +298,15 @@ def train_func(config: dict) -> None:
 
 def preflight(cfg: PipelineConfig, stage: str) -> dict[str, list[Path]]:
     """Every check that can fail before work starts: drafter config vs the model, data, the tuned drafter."""
+    import pyarrow.parquet as pq
+
     from flexdraft.distill import read_split
 
     if stage not in STAGES:
         raise FlexDraftError(f"unknown training stage {stage!r}: {' or '.join(STAGES)}")
     cfg.drafter.check(_model_args(cfg))
-    import pyarrow.parquet as pq
+    if not cfg.workers.use_gpu:  # (a driver on a cluster may have no GPU of its own: GPU dtypes are checked there)
+        RuntimeConfig(device="cpu", dtype=_stage_config(cfg, stage).dtype).torch_dtype()
 
     files = {split: read_split(cfg.distill_dir(), split) for split in ("train", "validation")}
     for split, paths in files.items():
