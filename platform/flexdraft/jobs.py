@@ -44,7 +44,7 @@ def run_distill(cfg: PipelineConfig) -> Path:
     import ray
 
     from flexdraft.distill import select_prompts, shards, write_manifest
-    from flexdraft.models.loading import load_model
+    from flexdraft.models.loading import load_tokenizer, resolve_source
 
     out = cfg.distill_dir()
     if (out / "manifest.json").is_file():
@@ -54,8 +54,7 @@ def run_distill(cfg: PipelineConfig) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     runtime = RuntimeConfig(device="cpu" if not cfg.workers.use_gpu else "auto", dtype=cfg.distill.dtype,
                             threads=cfg.workers.threads_per_worker)
-    tokenizer = load_model(cfg.model, runtime, with_tokenizer=True).tokenizer
-    prompts = select_prompts(cfg, tokenizer)
+    prompts = select_prompts(cfg, load_tokenizer(resolve_source(cfg.model)))  # the weights load in the actors
     all_shards = shards(prompts, cfg.distill.shard_size)
     todo = [(name, rows) for name, rows in all_shards if not (out / name).is_file()]
     log("distill", f"{len(prompts)} prompts in {len(all_shards)} shards -> {out}; "
@@ -271,9 +270,8 @@ def train_func(config: dict) -> None:
             metrics = {"train/loss": stats[0].item() / world, "train/lr": scheduler.get_last_lr()[0],
                        "train/seq_tokens_per_s": stats[1].item() / dt, "train/blocks_per_s": stats[2].item() / dt}
             if rank == 0:
-                print(f"[{stage}] step {done}/{tc.steps} loss {metrics['train/loss']:.3f} "
-                      f"lr {metrics['train/lr']:.2e} {metrics['train/seq_tokens_per_s']:.0f} seq tok/s "
-                      f"{metrics['train/blocks_per_s']:.1f} blocks/s", flush=True)
+                log(stage, f"step {done}/{tc.steps} loss {metrics['train/loss']:.3f} lr {metrics['train/lr']:.2e} "
+                           f"{metrics['train/seq_tokens_per_s']:.0f} seq tok/s {metrics['train/blocks_per_s']:.1f} blocks/s")
             report(metrics, done, save=done % tc.checkpoint_every == 0 or done == tc.steps)
             t_window, seq_tokens, blocks, losses = time.perf_counter(), 0, 0, []
 

@@ -115,6 +115,19 @@ def read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
     return {k.removeprefix("model."): v for k, v in state.items()}
 
 
+def load_tokenizer(folder: Path):
+    """The `transformers` tokenizer (with its chat template) of a resolved model folder."""
+    from transformers import AutoTokenizer
+
+    # transformers may build an empty tokenizer for a folder without one: check the files first
+    if not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        raise FlexDraftError(f"no usable tokenizer in {folder}: none of {', '.join(TOKENIZER_FILES)}")
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError) as e:
+        raise FlexDraftError(f"no usable tokenizer in {folder}: {str(e).splitlines()[0]}") from None
+
+
 def load_model(source: str | Path = BUNDLED, runtime: RuntimeConfig | None = None,
                with_tokenizer: bool = True) -> LoadedModel:
     runtime = runtime or RuntimeConfig()
@@ -142,15 +155,5 @@ def load_model(source: str | Path = BUNDLED, runtime: RuntimeConfig | None = Non
         model.lm_head.weight = model.embed_tokens.weight
     model = model.requires_grad_(False).to_runtime(runtime.torch_device(), runtime.torch_dtype(),
                                                    prepack=runtime.cpu_prepack).eval()
-    tokenizer = None
-    if with_tokenizer:
-        from transformers import AutoTokenizer
-
-        # transformers may build an empty tokenizer for a folder without one: check the files first
-        if not any((folder / f).is_file() for f in TOKENIZER_FILES):
-            raise FlexDraftError(f"no usable tokenizer in {folder}: none of {', '.join(TOKENIZER_FILES)}")
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(folder)
-        except (OSError, ValueError) as e:
-            raise FlexDraftError(f"no usable tokenizer in {folder}: {str(e).splitlines()[0]}") from None
+    tokenizer = load_tokenizer(folder) if with_tokenizer else None
     return LoadedModel(model=model, tokenizer=tokenizer, folder=folder, name=str(source))
