@@ -106,32 +106,48 @@ class Drafter(nn.Module):
                 p.requires_grad_(name.startswith("attn.") == (stage == "attention"))
         return [p for p in self.parameters() if p.requires_grad]
 
+    def block_masks(self, target: Transformer, pos: torch.Tensor, block_of: torch.Tensor,
+                    ctx_mask: torch.Tensor) -> list[torch.Tensor]:
+        """Attention masks of block slots for the shallow (causal in-block) and the tuned layers, over
+        [ctx slots ; block slots]: bool [R, 1, N, S + N], or additive biases on the bf16-on-CPU path."""
+        same = block_of[:, :, None] == block_of[:, None, :]  # [R, N, N]
+        causal = same & (pos[:, None, :] <= pos[:, :, None])
+        tuned = same if self.config.tuned_attention == "bidirectional" else causal
+        masks = [torch.cat((ctx_mask, m), dim=-1)[:, None] for m in (causal, tuned)]
+        if target.math_attention:
+            group = self.args.n_heads // self.args.n_kv_heads
+            masks = [grouped_bias(m, group) for m in masks]
+        return masks
+
+    def block_layer(self, target: Transformer, layer_idx: int, x: torch.Tensor, cos, sin,
+                    ctx_k: torch.Tensor, ctx_v: torch.Tensor, masks: list[torch.Tensor]) -> torch.Tensor:
+        """One layer for block slots x [R, N, d] reading context keys/values [R, Hkv, S, D]; -> [R, N, d]."""
+        layer = target.layers[layer_idx]
+        is_tuned = layer_idx >= self.first_tuned
+        attn = self.attn[layer_idx - self.first_tuned] if is_tuned else layer.self_attn
+        q, k, v = attn.project(layer.input_layernorm(x), cos, sin)
+        keys = torch.cat((ctx_k, k), dim=2)  # [R, Hkv, S + N, D]
+        values = torch.cat((ctx_v, v), dim=2)
+        x = x + attn.output(attend(q, keys, values, masks[is_tuned]))
+        return x + layer.mlp(layer.post_attention_layernorm(x))
+
     def forward(self, target: Transformer, inputs: torch.Tensor, pos: torch.Tensor, block_of: torch.Tensor,
-                cache: KVCache, ctx_mask: torch.Tensor) -> torch.Tensor:
+                cache: KVCache, ctx_mask: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """Draft blocks -> final-normed hidden states [R, N, d] (logits: `target.logits`).
 
         inputs [R, N, d]: slot input embeddings; pos [R, N]: slot positions; block_of [R, N]: the block each
         slot belongs to (a block never sees another); cache: the target's cache, read only; ctx_mask
-        [R, N, S]: the cached slots each block slot may see (its prefix)."""
-        same = block_of[:, :, None] == block_of[:, None, :]  # [R, N, N]
-        causal = same & (pos[:, None, :] <= pos[:, :, None])
-        tuned = same if self.config.tuned_attention == "bidirectional" else causal
-        masks = [torch.cat((ctx_mask, m), dim=-1)[:, None] for m in (causal, tuned)]  # [R, 1, N, S + N]
-        if target.math_attention:
-            group = self.args.n_heads // self.args.n_kv_heads
-            masks = [grouped_bias(m, group) for m in masks]
+        [R, N, S]: the cached slots each block slot may see (its prefix); rows [R]: the cache rows these
+        blocks read (default: cache row r for block row r)."""
+        masks = self.block_masks(target, pos, block_of, ctx_mask)
         S = ctx_mask.shape[-1]
         x = inputs
         cos, sin = target.rope(pos, x.dtype)
-        for layer_idx in range(self.config.entry_layer, self.args.n_layers):
-            layer = target.layers[layer_idx]
-            is_tuned = layer_idx >= self.first_tuned
-            attn = self.attn[layer_idx - self.first_tuned] if is_tuned else layer.self_attn
-            q, k, v = attn.project(layer.input_layernorm(x), cos, sin)
-            keys = torch.cat((cache.k[layer_idx][:, :, :S], k), dim=2)  # [R, Hkv, S + N, D]
-            values = torch.cat((cache.v[layer_idx][:, :, :S], v), dim=2)
-            x = x + attn.output(attend(q, keys, values, masks[is_tuned]))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        for i in range(self.config.entry_layer, self.args.n_layers):
+            ctx_k, ctx_v = cache.k[i][:, :, :S], cache.v[i][:, :, :S]
+            if rows is not None:
+                ctx_k, ctx_v = ctx_k[rows], ctx_v[rows]
+            x = self.block_layer(target, i, x, cos, sin, ctx_k, ctx_v, masks)
         return target.norm(x)
 
     def slot_inputs(self, target: Transformer, bonus: torch.Tensor, bonus_known: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from flexdraft.errors import FlexDraftError
-from flexdraft.models.transformer import Transformer
+from flexdraft.models.transformer import KVCache, Transformer
 
 
 @dataclass
@@ -102,6 +102,28 @@ def length_groups(lens: list[int], max_padding: float = 0.1) -> list[tuple[int, 
     return groups
 
 
+def prefill(model: Transformer, cache: KVCache, prompts: list[list[int]]) -> torch.Tensor:
+    """Prefill cache rows 0..len(prompts)-1 (prompts sorted longest first) and set their lengths; -> the
+    last prompt token's hidden state per row [b, d].
+
+    Groups of similar length (contiguous cache rows) go in one forward each, so little compute goes to
+    padding; pad slots lie beyond each row's length and are never attended to."""
+    device = model.device
+    lens = [len(p) for p in prompts]
+    h_last = torch.empty(len(prompts), model.args.dim, dtype=model.dtype, device=device)
+    for start, end in length_groups(lens):
+        T = lens[start]
+        tokens = torch.zeros(end - start, T, dtype=torch.long, device=device)
+        for r in range(start, end):
+            tokens[r - start, : lens[r]] = torch.tensor(prompts[r], device=device)
+        pos = torch.arange(T, device=device).expand(end - start, T)
+        h = model(tokens, pos, cache.rows(start, end), span=T)  # [g, T, d]
+        last = torch.tensor(lens[start:end], device=device) - 1
+        h_last[start:end] = h[torch.arange(end - start, device=device), last]
+    cache.lens[: len(prompts)] = torch.tensor(lens, device=device)
+    return h_last
+
+
 @torch.inference_mode()
 def generate(model: Transformer, prompts: list[list[int]], params: SamplingParams,
              eos_token_ids=()) -> list[Generation]:
@@ -121,19 +143,7 @@ def generate(model: Transformer, prompts: list[list[int]], params: SamplingParam
     eos = torch.tensor(sorted(set(eos_token_ids)) or [-1], device=device)
     generator = make_generator(params, device)
 
-    # prefill longest first, in groups of similar length (contiguous cache rows) so little compute goes to
-    # padding; pad slots lie beyond each row's length and are never attended to
-    h_last = torch.empty(B, model.args.dim, dtype=model.dtype, device=device)  # [B, d], sorted order
-    for start, end in length_groups(lens):
-        T = lens[start]
-        tokens = torch.zeros(end - start, T, dtype=torch.long, device=device)
-        for r in range(start, end):
-            tokens[r - start, : lens[r]] = torch.tensor(prompts[order[r]], device=device)
-        pos = torch.arange(T, device=device).expand(end - start, T)
-        h = model(tokens, pos, cache.rows(start, end), span=T)  # [g, T, d]
-        last = torch.tensor(lens[start:end], device=device) - 1
-        h_last[start:end] = h[torch.arange(end - start, device=device), last]
-    cache.lens.copy_(torch.tensor(lens, device=device))
+    h_last = prefill(model, cache, [prompts[i] for i in order])
     next_tok = sample(model.logits(h_last), params, generator)  # [B]
 
     out = torch.zeros(B, params.max_new_tokens, dtype=torch.long, device=device)

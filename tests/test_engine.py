@@ -1,0 +1,288 @@
+"""The decoding engine is lossless whatever the drafter does: greedy outputs equal AR greedy token for token,
+sampled outputs follow the target's distribution; continuous batching never changes another row."""
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import make_tiny_hf
+from flexdraft.config import RuntimeConfig
+from flexdraft.drafter import Drafter, DrafterConfig, read_drafter_meta, load_drafter
+from flexdraft.engine import Engine, EngineConfig, parallel_forward
+from flexdraft.errors import FlexDraftError
+from flexdraft.generate import SamplingParams, filtered_logits, generate
+from flexdraft.models.loading import load_model
+from flexdraft.training import Sequences, training_step
+
+CPU32 = RuntimeConfig(device="cpu", dtype="float32", threads=1, cpu_prepack=False)
+EOS = 2
+MODES = [("sequential", {}), ("parallel", {}), ("parallel", {"top_m": 2}), ("parallel", {"rho": 0.6}),
+         ("adaptive", {"switch_batch": 3}), ("adaptive", {"switch_batch": 3, "cost_model": False})]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny")
+    make_tiny_hf("llama", folder)
+    return load_model(folder, CPU32, with_tokenizer=False).model
+
+
+def ragged_prompts(n: int, seed: int = 0, vocab: int = 96) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (int(torch.randint(2, 24, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def drafters(tiny):
+    """untrained (copied projectors, calibration zero); random (projectors and calibration perturbed);
+    trained (60 attention-tuning steps on the tiny target's own greedy continuations, then calibration)."""
+    torch.manual_seed(0)
+    cfg = DrafterConfig(k=2, block_size=4)
+    untrained = Drafter.from_target(tiny, cfg)
+    random = Drafter.from_target(tiny, cfg)
+    with torch.no_grad():
+        for p in random.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    trained = Drafter.from_target(tiny, cfg)
+    prompts = ragged_prompts(16, seed=7)
+    outs = generate(tiny, prompts, SamplingParams(max_new_tokens=40))
+    rows = [p + o.token_ids for p, o in zip(prompts, outs)]
+    T = max(map(len, rows))
+    tokens = torch.zeros(len(rows), T, dtype=torch.long)
+    for i, r in enumerate(rows):
+        tokens[i, : len(r)] = torch.tensor(r)
+    seqs = Sequences(tokens, torch.tensor([len(r) for r in rows]), torch.tensor([len(p) for p in prompts]))
+    g = torch.Generator().manual_seed(0)
+    for stage, steps in (("attention", 60), ("calibration", 30)):
+        opt = torch.optim.AdamW(trained.parameters_for(stage), lr=3e-3)
+        for _ in range(steps):
+            opt.zero_grad()
+            training_step(trained, tiny, seqs, stage, 16, "ce", 0.8, g).loss.backward()
+            opt.step()
+    trained.requires_grad_(False)
+    return {"untrained": untrained, "random": random, "trained": trained}
+
+
+class OracleEngine(Engine):
+    """Drafts replaced after every drafting by the reference continuation (always right) or by a token that
+    differs from it (always wrong), with full confidence: verification alone must keep the output exact."""
+
+    def __init__(self, *args, reference: dict, wrong: bool, **kw):
+        super().__init__(*args, **kw)
+        self.reference, self.wrong = reference, wrong
+
+    def _set_drafts(self, rows, logits):
+        super()._set_drafts(rows, logits)
+        V = self.target.args.vocab_size
+        for row in rows.tolist():
+            req = self.slots[row]
+            ref = self.reference[tuple(req.prompt)][len(req.tokens):] + [0] * self.B
+            drafts = torch.tensor(ref[: self.B]) + (1 if self.wrong else 0)
+            self.drafts[row, : self.B] = drafts % V
+            self.conf[row, : self.B] = 1.0
+
+
+@pytest.mark.parametrize("batch", [1, 3, 16])
+@pytest.mark.parametrize("mode,extra", MODES, ids=[f"{m}-{'-'.join(map(str, e.values())) or 'all'}" for m, e in MODES])
+def test_speculative_greedy_equals_ar_greedy(tiny, drafters, batch, mode, extra):
+    """Every mode (parallel with and without pruning), batch 1, 3 and 16 with ragged prompts, rows ending at
+    their own EOS or length, 4 rows at a time (the rest join as rows leave), with an untrained, a random and
+    a trained drafter: output token for token equal to AR greedy (fp32)."""
+    prompts = ragged_prompts(batch, seed=batch)
+    params = SamplingParams(max_new_tokens=28)
+    eos = generate(tiny, prompts[-1:], params)[0].token_ids[9]  # a token some row emits: rows end apart
+    ref = [g.token_ids for g in generate(tiny, prompts, params, eos_token_ids=[eos])]
+    assert len({len(r) for r in ref}) > 1 or batch == 1
+    taus = {}
+    for name, drafter in drafters.items():
+        engine = Engine(tiny, drafter, EngineConfig(mode=mode, max_batch=4, max_len=96, **extra), eos_token_ids=[eos])
+        out = engine.generate(prompts, params)
+        assert [g.token_ids for g in out] == ref, name
+        assert engine.totals["target_forwards"] < sum(map(len, ref))  # some step yielded several tokens
+        taus[name] = sum(g.extra["tau"] for g in out) / batch
+    if batch == 16 and mode == "sequential":
+        assert taus["trained"] > taus["random"]  # the training fixture really trains
+
+
+@pytest.mark.parametrize("mode,extra", MODES[:3], ids=["sequential", "parallel", "parallel-pruned"])
+@pytest.mark.parametrize("wrong", [False, True], ids=["always-right", "always-wrong"])
+def test_lossless_with_adversarial_and_perfect_drafts(tiny, drafters, mode, extra, wrong):
+    """Drafts forced to the reference continuation (every draft accepted: Bv + 1 tokens per forward) or to a
+    token that never matches (none accepted: one token per forward): the output is AR greedy either way."""
+    prompts = ragged_prompts(5, seed=11)
+    params = SamplingParams(max_new_tokens=25)
+    ref = [g.token_ids for g in generate(tiny, prompts, params)]
+    reference = {tuple(p): r for p, r in zip(prompts, ref)}
+    engine = OracleEngine(tiny, drafters["random"], EngineConfig(mode=mode, max_batch=5, max_len=96, **extra),
+                          reference=reference, wrong=wrong)
+    out = engine.generate(prompts, params)
+    assert [g.token_ids for g in out] == ref
+    accepted = [a for g in out for a in g.extra["accepted_lengths"]]
+    assert set(accepted) == ({0} if wrong else {4}) or (not wrong and max(accepted) == 4)
+    if not wrong and mode == "parallel":
+        assert engine.totals["pruned_misses"] == 0  # full confidence in every draft: branch Bv is kept
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_parallel_clean_path_is_bitwise_the_plain_verify(tmp_path, dtype):
+    """The verify tokens' hidden states from the parallel forward (with 3 branches per row riding along from
+    layer 0) are bitwise those of a plain target forward over the same tokens and cache, fp32 and bf16."""
+    make_tiny_hf("qwen3", tmp_path)
+    model = load_model(tmp_path, RuntimeConfig(device="cpu", dtype=dtype, threads=1), with_tokenizer=False).model
+    drafter = Drafter.from_target(model, DrafterConfig(k=2, block_size=4))
+    prompts = ragged_prompts(3, seed=2)
+    cache = model.new_cache(3, 64)
+    from flexdraft.generate import prefill
+    prefill(model, cache, sorted(prompts, key=len, reverse=True))
+    tokens = torch.randint(3, 96, (3, 5))
+    pos = cache.lens[:, None] + torch.arange(5)
+    anchors = torch.tensor([[0, 2, 4], [1, 3, 0], [4, 0, 2]])
+    with torch.inference_mode():
+        h_par, hb = parallel_forward(model, drafter, tokens, pos, cache, anchors)
+        h = model(tokens, pos, cache)
+    assert torch.equal(h_par, h)
+    assert hb.shape == (3, 3, 5, model.args.dim)
+
+
+def exact_distribution(model, prompt, params, n_tokens) -> dict[tuple, float]:
+    """P(first n_tokens generated) by enumerating every continuation (tiny vocabulary)."""
+    probs = {(): 1.0}
+    for _ in range(n_tokens):
+        nxt = {}
+        for seq, p in probs.items():
+            ids = torch.tensor([prompt + list(seq)])
+            cache = model.new_cache(1, ids.shape[1])
+            with torch.inference_mode():
+                h = model(ids, torch.arange(ids.shape[1])[None], cache)
+            dist = filtered_logits(model.logits(h[0, -1:]), params).softmax(-1)[0].double()
+            for t in dist.nonzero().squeeze(-1).tolist():
+                nxt[seq + (t,)] = p * float(dist[t])
+        probs = nxt
+    return probs
+
+
+def chi_square_ok(counts: dict, exact: dict, n: int, alpha_z: float = 3.09) -> tuple[float, float]:
+    """Pearson chi-square over outcomes with expected count >= 5 (the rest pooled); returns (statistic,
+    the 0.999 quantile by the Wilson-Hilferty approximation; z = 3.09 is the normal 0.999 quantile)."""
+    big = [k for k, p in exact.items() if p * n >= 5]
+    cells = [(counts.get(k, 0), exact[k] * n) for k in big]
+    rest_obs = n - sum(o for o, _ in cells)
+    rest_exp = n - sum(e for _, e in cells)
+    if rest_exp >= 5:
+        cells.append((rest_obs, rest_exp))
+    else:
+        assert rest_obs <= 3 * rest_exp + 10  # outcomes that should be rare stay rare
+    stat = sum((o - e) ** 2 / e for o, e in cells)
+    df = len(cells) - 1
+    q = df * (1 - 2 / (9 * df) + alpha_z * math.sqrt(2 / (9 * df))) ** 3
+    return stat, q
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+def test_speculative_sampling_follows_the_target_distribution(tmp_path, top_p):
+    """Tiny vocabulary (12 tokens), temperature 1 (and top-p 0.8): the first 3 tokens of 6000 sampled
+    generations in sequential and parallel mode, with a random drafter whose q is far from p, match the
+    exact target distribution (enumerated) by a chi-square test at significance 0.001; the same counts fail
+    against the distribution at temperature 1.3 (the test has power)."""
+    make_tiny_hf("llama", tmp_path, vocab_size=12, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = load_model(tmp_path, CPU32, with_tokenizer=False).model
+    torch.manual_seed(0)
+    drafter = Drafter.from_target(model, DrafterConfig(k=2, block_size=2))
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    prompt = [3, 7, 5, 9]
+    exact = exact_distribution(model, prompt, SamplingParams(temperature=1.0, top_p=top_p), 3)
+    N = 6000
+    for mode in ("sequential", "parallel"):
+        engine = Engine(model, drafter, EngineConfig(mode=mode, max_batch=64, max_len=16))
+        ids = [engine.add_request(prompt, SamplingParams(max_new_tokens=3, temperature=1.0, top_p=top_p, seed=i))
+               for i in range(N)]
+        while engine.has_work():
+            engine.step()
+        counts = {}
+        for i in ids:
+            seq = tuple(engine.result(i).token_ids)
+            counts[seq] = counts.get(seq, 0) + 1
+        stat, q = chi_square_ok(counts, exact, N)
+        assert stat < q, (mode, stat, q)
+    # power: the same counts against the distribution at temperature 1.3 (a subtly wrong sampler) fail
+    stat, q = chi_square_ok(counts, exact_distribution(model, prompt, SamplingParams(temperature=1.3, top_p=top_p), 3), N)
+    assert stat > q
+
+
+def test_requests_joining_and_aborted_mid_flight_leave_other_rows_unchanged(tiny, drafters):
+    """Continuous batching, parallel/sequential switching (S = 2): requests added after some steps and
+    requests aborted mid-flight do not change what the other requests generate (each equals AR alone)."""
+    prompts = ragged_prompts(7, seed=5)
+    params = SamplingParams(max_new_tokens=20)
+    alone = [generate(tiny, [p], params, eos_token_ids=[EOS])[0].token_ids for p in prompts]
+    engine = Engine(tiny, drafters["trained"], EngineConfig(mode="adaptive", switch_batch=2, cost_model=False,
+                                                           max_batch=4, max_len=64), eos_token_ids=[EOS])
+    ids = {engine.add_request(prompts[i], params): i for i in (0, 1, 2)}
+    streamed = {i: [] for i in range(7)}
+    modes = set()
+    for step in range(40):
+        if step == 2:
+            ids.update({engine.add_request(prompts[i], params): i for i in (3, 4, 5)})
+            engine.abort(next(k for k, v in ids.items() if v == 1))  # running
+        if step == 3:
+            engine.abort(next(k for k, v in ids.items() if v == 5))  # still waiting (4 rows busy)
+        if step == 4:
+            ids[engine.add_request(prompts[6], params)] = 6
+        for rid, toks in engine.step().items():
+            streamed[ids[rid]].extend(toks)
+        modes.add(engine.last_stats.mode)
+        if not engine.has_work():
+            break
+    assert not engine.has_work() and {"parallel", "sequential"} <= modes
+    for i in (0, 2, 3, 4, 6):
+        assert streamed[i] == alone[i] == engine.result(next(k for k, v in ids.items() if v == i)).token_ids
+    assert engine.result(next(k for k, v in ids.items() if v == 1)).finish_reason == "abort"
+    assert streamed[5] == []
+
+
+def test_bad_input_is_named_and_the_engine_keeps_serving(tiny, drafters):
+    engine = Engine(tiny, drafters["random"], EngineConfig(mode="sequential", max_batch=2, max_len=40))
+    good = engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=10))
+    with pytest.raises(FlexDraftError, match="exceeds the cache of 40"):
+        engine.add_request(list(range(3, 33)), SamplingParams(max_new_tokens=10))
+    with pytest.raises(FlexDraftError, match="outside the vocabulary"):
+        engine.add_request([5, 500], SamplingParams())
+    with pytest.raises(FlexDraftError, match="top_p"):
+        engine.add_request([5], SamplingParams(temperature=1.0, top_p=0.0))
+    with pytest.raises(FlexDraftError, match="no running or waiting request with id 99"):
+        engine.abort(99)
+    while engine.has_work():
+        engine.step()
+    ref = generate(tiny, [[5, 6, 7]], SamplingParams(max_new_tokens=10))[0].token_ids
+    assert engine.result(good).token_ids == ref
+    with pytest.raises(FlexDraftError, match="block_size=9"):
+        Engine(tiny, drafters["random"], EngineConfig(block_size=9))
+    with pytest.raises(FlexDraftError, match="needs a drafter"):
+        Engine(tiny, None, EngineConfig(mode="parallel"))
+
+
+DEFAULT_DRAFTER = Path.home() / ".flexdraft/pipelines/smollm2-default/drafter"
+
+
+@pytest.mark.real_model
+def test_real_model_greedy_lossless_with_trained_drafter(real_lm, gsm8k_prompts):
+    """Bundled SmolLM2 in fp32, 4 GSM8K chat prompts, 48 new tokens: sequential, parallel (top-3 branches) and
+    adaptive output equals AR greedy, with the drafter trained by the default pipeline when it exists here
+    (else an untrained one: losslessness holds for any drafter)."""
+    model = real_lm.model
+    if (DEFAULT_DRAFTER / "drafter.json").is_file():
+        drafter = load_drafter(DEFAULT_DRAFTER, model)
+        prior = read_drafter_meta(DEFAULT_DRAFTER).get("eval")
+    else:
+        drafter, prior = Drafter.from_target(model, DrafterConfig()), None
+    prompts = gsm8k_prompts[:4]
+    params = SamplingParams(max_new_tokens=48)
+    ref = [g.token_ids for g in generate(model, prompts, params, real_lm.eos_token_ids)]
+    for mode, extra in (("sequential", {}), ("parallel", {"top_m": 3}), ("adaptive", {})):
+        engine = Engine(model, drafter, EngineConfig(mode=mode, max_batch=4, max_len=512, **extra),
+                        real_lm.eos_token_ids, acceptance_prior=prior)
+        assert [g.token_ids for g in engine.generate(prompts, params)] == ref, mode
