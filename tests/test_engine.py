@@ -11,7 +11,7 @@ from flexdraft.config import RuntimeConfig
 from flexdraft.drafter import Drafter, DrafterConfig, read_drafter_meta, load_drafter
 from flexdraft.engine import Engine, EngineConfig, parallel_forward
 from flexdraft.errors import FlexDraftError
-from flexdraft.generate import SamplingParams, filtered_logits, generate
+from flexdraft.generate import SamplingParams, filtered_logits, generate, prefill
 from flexdraft.models.loading import load_model
 from flexdraft.training import Sequences, training_step
 
@@ -36,14 +36,16 @@ def ragged_prompts(n: int, seed: int = 0, vocab: int = 96) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def drafters(tiny):
-    """untrained (copied projectors, calibration zero); random (projectors and calibration perturbed);
-    trained (60 attention-tuning steps on the tiny target's own greedy continuations, then calibration)."""
+    """untrained (copied projectors, calibration zero); random (projectors and calibration perturbed), also
+    with blocks entering at layer 1 and causal tuned attention; trained (60 attention-tuning steps on the
+    tiny target's own greedy continuations, then calibration)."""
     torch.manual_seed(0)
     cfg = DrafterConfig(k=2, block_size=4)
     untrained = Drafter.from_target(tiny, cfg)
     random = Drafter.from_target(tiny, cfg)
+    entry1 = Drafter.from_target(tiny, DrafterConfig(k=2, block_size=4, entry_layer=1, tuned_attention="causal"))
     with torch.no_grad():
-        for p in random.parameters():
+        for p in (*random.parameters(), *entry1.parameters()):
             p.add_(torch.randn_like(p) * 0.5)
     trained = Drafter.from_target(tiny, cfg)
     prompts = ragged_prompts(16, seed=7)
@@ -62,7 +64,7 @@ def drafters(tiny):
             training_step(trained, tiny, seqs, stage, 16, "ce", 0.8, g).loss.backward()
             opt.step()
     trained.requires_grad_(False)
-    return {"untrained": untrained, "random": random, "trained": trained}
+    return {"untrained": untrained, "random": random, "random-entry1-causal": entry1, "trained": trained}
 
 
 class OracleEngine(Engine):
@@ -73,8 +75,8 @@ class OracleEngine(Engine):
         super().__init__(*args, **kw)
         self.reference, self.wrong = reference, wrong
 
-    def _set_drafts(self, rows, logits):
-        super()._set_drafts(rows, logits)
+    def _set_drafts(self, rows, logits, from_branch=False):
+        super()._set_drafts(rows, logits, from_branch)
         V = self.target.args.vocab_size
         for row in rows.tolist():
             req = self.slots[row]
@@ -125,24 +127,30 @@ def test_lossless_with_adversarial_and_perfect_drafts(tiny, drafters, mode, extr
         assert engine.totals["pruned_misses"] == 0  # full confidence in every draft: branch Bv is kept
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_parallel_clean_path_is_bitwise_the_plain_verify(tmp_path, dtype):
-    """The verify tokens' hidden states from the parallel forward (with 3 branches per row riding along from
-    layer 0) are bitwise those of a plain target forward over the same tokens and cache, fp32 and bf16."""
+def test_parallel_clean_path_is_the_plain_verify_up_to_rounding(tmp_path):
+    """The verify tokens' hidden states from the parallel forward (3 branches per row riding along from
+    layer 0, sharing the clean tokens' GEMMs) equal a plain target forward over the same tokens and cache to
+    fp32 rounding (1e-5), and the cache it leaves is the plain forward's; perturbing the branches' mask
+    embedding changes the branches and leaves the clean path bit-identical (nothing flows from them)."""
     make_tiny_hf("qwen3", tmp_path)
-    model = load_model(tmp_path, RuntimeConfig(device="cpu", dtype=dtype, threads=1), with_tokenizer=False).model
+    model = load_model(tmp_path, CPU32, with_tokenizer=False).model
     drafter = Drafter.from_target(model, DrafterConfig(k=2, block_size=4))
-    prompts = ragged_prompts(3, seed=2)
-    cache = model.new_cache(3, 64)
-    from flexdraft.generate import prefill
-    prefill(model, cache, sorted(prompts, key=len, reverse=True))
+    prompts = sorted(ragged_prompts(3, seed=2), key=len, reverse=True)
+    caches = [model.new_cache(3, 64) for _ in range(2)]
+    for c in caches:
+        prefill(model, c, prompts)
     tokens = torch.randint(3, 96, (3, 5))
-    pos = cache.lens[:, None] + torch.arange(5)
+    pos = caches[0].lens[:, None] + torch.arange(5)
     anchors = torch.tensor([[0, 2, 4], [1, 3, 0], [4, 0, 2]])
     with torch.inference_mode():
-        h_par, hb = parallel_forward(model, drafter, tokens, pos, cache, anchors)
-        h = model(tokens, pos, cache)
-    assert torch.equal(h_par, h)
+        h_par, hb = parallel_forward(model, drafter, tokens, pos, caches[0], anchors)
+        h = model(tokens, pos, caches[1])
+        torch.testing.assert_close(h_par, h, atol=1e-5, rtol=1e-5)
+        for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        drafter.mask_embedding.add_(1.0)
+        h_par2, hb2 = parallel_forward(model, drafter, tokens, pos, caches[0], anchors)
+    assert torch.equal(h_par2, h_par) and not torch.allclose(hb2, hb)
     assert hb.shape == (3, 3, 5, model.args.dim)
 
 

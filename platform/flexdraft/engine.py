@@ -6,8 +6,8 @@ Shapes: n = active rows (rows 0..n-1 of every buffer and of the cache), Bv = dra
 V = vocabulary, d = model width.
 
 Per row the engine holds `lens` (tokens in the cache), `bonus` (the last emitted token, not yet in the cache:
-it sits at position lens) and, when `has_drafts`, the drafts d_1..d_B for positions lens+1.. with their
-confidences (and their full distributions q for sampled rows). One step:
+it sits at position lens) and `ndrafts` drafts d_1.. for positions lens+1.. with their confidences (and
+their full distributions q for sampled rows); `from_branch` says whether a parallel branch made them. One step:
   1. admit waiting requests: prefill, draw the first token (it becomes the row's bonus);
   2. AR mode: one target token per row. Speculative modes: rows without drafts (fresh, pruned, or coming
      from an AR step) get a sequential drafter pass with the bonus known in slot 0; then the target verifies
@@ -20,6 +20,7 @@ the target's distribution; the drafts only decide how many of them one forward y
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ import torch
 from flexdraft.drafter import Drafter
 from flexdraft.errors import FlexDraftError
 from flexdraft.generate import Generation, SamplingParams, filtered_logits, make_generator, prefill
-from flexdraft.models.transformer import Transformer, grouped_bias
+from flexdraft.models.transformer import Linear, Transformer, attend, grouped_bias
 
 MODES = ("ar", "sequential", "parallel", "adaptive")
 
@@ -114,42 +115,60 @@ class AcceptanceModel:
             self.passed[kind][:a] += 1
 
     def expected_accepted(self, kind: str, block: int) -> float:
+        return float(self._at_least(kind, block)[1:].sum())
+
+    def length_distribution(self, kind: str, block: int) -> torch.Tensor:
+        """[block + 1]: P(accepted = a) for a = 0..block."""
+        ge = self._at_least(kind, block)
+        return ge - torch.cat((ge[1:], ge.new_zeros(1)))
+
+    def _at_least(self, kind: str, block: int) -> torch.Tensor:
+        """[block + 1]: P(accepted >= a) for a = 0..block."""
         rate = self.passed[kind][:block] / self.tried[kind][:block]
-        return float(rate.cumprod(0).sum())
+        return torch.cat((rate.new_ones(1), rate.cumprod(0)))
 
 
 class CostModel:
-    """Seconds of a forward as a function of the token-layers it computes (rows x tokens x layers / L),
-    interpolated from the forwards the engine has timed: after a few steps in a mode at a batch size the
-    adaptive policy knows what each option costs here, on this device."""
+    """Seconds of a forward of each kind ("target": AR or verify, "draft": a sequential drafter pass,
+    "parallel": verify + branches) as a function of the tokens it carries, on this device: seeded by
+    `Engine.profile` and refined by every timed forward (exponential average per log2-spaced size bucket,
+    linear interpolation between buckets)."""
+
+    KINDS = ("target", "draft", "parallel")
 
     def __init__(self):
-        self.points: dict[int, float] = {}  # log2-bucketed token count -> EMA seconds
+        self.points: dict[str, dict[int, float]] = {k: {} for k in self.KINDS}
 
     @staticmethod
-    def _bucket(tokens: float) -> int:
-        return max(0, round(2 * torch.log2(torch.tensor(max(tokens, 1.0))).item()))
+    def _bucket(tokens: int) -> int:
+        return round(2 * math.log2(max(tokens, 1)))
 
-    def record(self, tokens: float, seconds: float) -> None:
-        b = self._bucket(tokens)
-        self.points[b] = seconds if b not in self.points else 0.8 * self.points[b] + 0.2 * seconds
+    def record(self, kind: str, tokens: int, seconds: float) -> None:
+        pts, b = self.points[kind], self._bucket(tokens)
+        pts[b] = seconds if b not in pts else 0.8 * pts[b] + 0.2 * seconds
 
-    def known(self, tokens: float) -> bool:
-        return self._bucket(tokens) in self.points
+    def known(self, kind: str) -> bool:
+        return bool(self.points[kind])
 
-    def seconds(self, tokens: float) -> float:
-        b = self._bucket(tokens)
-        if b in self.points:
-            return self.points[b]
-        lo = [k for k in self.points if k < b]
-        hi = [k for k in self.points if k > b]
-        if lo and hi:  # linear in the bucket index between the nearest measured ones
+    def seconds(self, kind: str, tokens: int) -> float:
+        pts, b = self.points[kind], self._bucket(tokens)
+        if b in pts:
+            return pts[b]
+        lo, hi = [k for k in pts if k < b], [k for k in pts if k > b]
+        if lo and hi:
             l, h = max(lo), min(hi)
-            return self.points[l] + (self.points[h] - self.points[l]) * (b - l) / (h - l)
-        if lo:  # above every measured size: time grows at most linearly with tokens
-            l = max(lo)
-            return self.points[l] * 2 ** ((b - l) / 2)
-        return self.points[min(hi)] if hi else 0.0
+            return pts[l] + (pts[h] - pts[l]) * (b - l) / (h - l)
+        if lo:  # beyond every measured size: time grows linearly with tokens
+            return pts[max(lo)] * 2 ** ((b - max(lo)) / 2)
+        return pts[min(hi)]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one step does: mode, drafts verified per row, and (parallel) the most branches kept per row."""
+    mode: str
+    block: int = 0
+    branches: int = 0  # 0 = as the config's top_m / rho decide
 
 
 class Engine:
@@ -162,6 +181,10 @@ class Engine:
                  acceptance_prior: dict | None = None):
         config.check(drafter, target.args.max_position_embeddings)
         self.target, self.drafter, self.config = target, drafter, config
+        if drafter is not None and target.lm_head.packed is not None:  # the target runs on prepacked weights
+            for module in drafter.modules():
+                if isinstance(module, Linear):
+                    module.pack()
         self.B = (config.block_size or drafter.config.block_size) if drafter is not None else 0
         self.eos = set(eos_token_ids)
         R, dev = config.max_batch, target.device
@@ -169,7 +192,8 @@ class Engine:
         self.bonus = torch.zeros(R, dtype=torch.long, device=dev)
         self.drafts = torch.zeros(R, max(self.B, 1), dtype=torch.long, device=dev)
         self.conf = torch.zeros(R, max(self.B, 1), dtype=torch.float32, device=dev)  # q_j(d_j)
-        self.has_drafts = torch.zeros(R, dtype=torch.bool, device=dev)
+        self.ndrafts = torch.zeros(R, dtype=torch.long, device=dev)  # valid drafts per row (0: draft first)
+        self.from_branch = torch.zeros(R, dtype=torch.bool, device=dev)
         self.q: torch.Tensor | None = None  # [R, B, V] fp32 draft distributions, allocated for sampling
         self.slots: list[_Request] = []  # request of cache row r
         self.waiting: deque[_Request] = deque()
@@ -248,14 +272,14 @@ class Engine:
         self._retire()
         n = len(self.slots)
         if n:
-            mode, Bv = self._choose(n)
-            stats.mode, stats.rows, stats.block = mode, n, Bv
-            if mode != "ar":
-                need = (~self.has_drafts[:n]).nonzero().squeeze(-1)
+            plan = self._choose(n)
+            stats.mode, stats.rows, stats.block = plan.mode, n, plan.block
+            if plan.mode != "ar":
+                need = (self.ndrafts[:n] < plan.block).nonzero().squeeze(-1)
                 if need.numel():
                     stats.drafted_rows = need.numel()
-                    self._draft(need, Bv, stats)
-            self._verify(n, Bv, mode, out, stats)
+                    self._draft(need, plan.block, stats)
+            self._verify(n, plan, out, stats)
             self._retire()
         self._sync()
         stats.seconds = time.perf_counter() - t0
@@ -268,45 +292,83 @@ class Engine:
         if self.target.device.type == "cuda":
             torch.cuda.synchronize()
 
-    def _timed(self, stats: StepStats, name: str, tokens: float, fn):
+    def _timed(self, stats: StepStats, kind: str, tokens: int, fn):
+        """Run fn, add its wall time to the step's stats under `kind` and, when tokens > 0, to the cost model."""
         self._sync()
         t0 = time.perf_counter()
         result = fn()
         self._sync()
         dt = time.perf_counter() - t0
-        stats.forward_seconds[name] = stats.forward_seconds.get(name, 0.0) + dt
-        if name != "prefill":
-            self.costs.record(tokens, dt)
+        stats.forward_seconds[kind] = stats.forward_seconds.get(kind, 0.0) + dt
+        if tokens:
+            self.costs.record(kind, tokens, dt)
         return result
 
-    def _choose(self, n: int) -> tuple[str, int]:
-        """Mode and drafts per row for a step with n rows."""
+    def _choose(self, n: int) -> Plan:
+        """The plan of a step with n rows. Forced modes use the config; adaptive uses parallel mode at
+        <= switch_batch rows and sequential above, or, with the cost model, whichever of AR, sequential with
+        1/2/4/B drafts and parallel with 1/2/4/B drafts and 1/2/3/all branches promises the most tokens per second
+        (expected tokens from the acceptance model, seconds from the measured costs)."""
         cfg, B = self.config, self.B
         if cfg.mode != "adaptive":
-            return cfg.mode, (0 if cfg.mode == "ar" else B)
+            return Plan(cfg.mode, 0 if cfg.mode == "ar" else B)
         rule = "parallel" if n <= cfg.switch_batch else "sequential"
-        if not cfg.cost_model:
-            return rule, B
-        # expected tokens per second of each option, from the acceptance model and the measured cost of
-        # the forwards it needs (in token-layers: block tokens run through layers e..L-1 only); an option
-        # whose forwards were never timed at this size is tried once first
-        frac = 1 - self.drafter.config.entry_layer / self.target.args.n_layers
-        options = [("ar", 0, n, [n])]
+        if not cfg.cost_model or not all(self.costs.known(k) for k in CostModel.KINDS):
+            return Plan(rule, B)
+        cost, acc = self.costs.seconds, self.acceptance
+        best, best_rate = Plan("ar"), n / cost("target", n)
         for Bv in sorted({1, 2, 4, B} & set(range(1, B + 1))):
-            tokens = n * (1 + self.acceptance.expected_accepted("sequential", Bv))
-            options.append(("sequential", Bv, tokens, [n * (Bv + 1), n * (Bv + 1) * frac]))
-        if rule == "parallel":
-            m = min(cfg.top_m or B + 1, B + 1)
-            tokens = n * (1 + self.acceptance.expected_accepted("parallel", B))
-            options.append(("parallel", B, tokens, [n * (B + 1) * (1 + m * frac)]))
-        best, best_rate = ("ar", 0), -1.0
-        for mode, Bv, tokens, work in options:
-            if not all(self.costs.known(w) for w in work):
-                return mode, Bv
-            rate = tokens / sum(self.costs.seconds(w) for w in work)
+            tokens = n * (1 + acc.expected_accepted("sequential", Bv))
+            rate = tokens / (cost("target", n * (Bv + 1)) + cost("draft", n * (Bv + 1)))
             if rate > best_rate:
-                best, best_rate = (mode, Bv), rate
+                best, best_rate = Plan("sequential", Bv), rate
+        for Bv in (sorted({1, 2, 4, B} & set(range(1, B + 1))) if rule == "parallel" else ()):
+            p_len = acc.length_distribution("parallel", Bv).sort(descending=True).values
+            tokens = n * (1 + acc.expected_accepted("parallel", Bv))
+            for m in sorted({1, 2, 3, Bv + 1} & set(range(1, Bv + 2))):
+                miss = max(0.0, 1 - float(p_len[:m].sum()))  # a pruned branch: a drafter pass next step
+                seconds = cost("parallel", n * (Bv + 1) * (1 + m)) + miss * cost("draft", n * (Bv + 1))
+                if tokens / seconds > best_rate:
+                    best, best_rate = Plan("parallel", Bv, m), tokens / seconds
         return best
+
+    @torch.inference_mode()
+    def profile(self, context: int = 256, repeats: int = 2) -> dict:
+        """Time each kind of forward over the sizes the adaptive policy weighs (rows at `context` cached
+        tokens), seeding the cost model; must run while no request is active. Returns {kind: {tokens: s}}."""
+        if self.slots:
+            raise FlexDraftError("profile() needs an idle engine (no active rows)")
+        if self.drafter is None:
+            return {}
+        R, B, dev = self.config.max_batch, self.B, self.target.device
+        ctx = min(context, self.config.max_len - 2 * (B + 1))
+        self.cache.lens.fill_(ctx)
+        self.bonus.fill_(0)
+        self.drafts.fill_(0)
+        shapes = [("target", n, T, 0) for n in (1, 2, 4, 8, 16, 32, 64) if n <= R for T in (1, B + 1)]
+        shapes += [("draft", n, B + 1, 0) for n in (1, 2, 4, 8, 16, 32, 64) if n <= R]
+        S = min(self.config.switch_batch, R)
+        shapes += [("parallel", n, B + 1, m) for n in (1, 2, 4) if n <= max(S, 1) for m in (1, 2, B + 1)]
+        result: dict = {k: {} for k in CostModel.KINDS}
+        for kind, n, T, m in shapes:
+            rows = torch.arange(n, device=dev)
+            pos = self.cache.lens[:n, None] + torch.arange(T, device=dev)
+            tokens = torch.zeros(n, T, dtype=torch.long, device=dev)
+            for rep in range(repeats + 1):  # the first run warms up
+                stats = StepStats("profile", n)
+                if kind == "target":
+                    self._timed(stats, kind, 0, lambda: self.target(tokens, pos, self.cache.rows(0, n)))
+                elif kind == "draft":
+                    self._timed(stats, kind, 0, lambda: self._draft_forward(rows, T - 1))
+                else:
+                    anchors = torch.arange(m, device=dev).expand(n, m)
+                    self._timed(stats, kind, 0, lambda: parallel_forward(self.target, self.drafter, tokens, pos,
+                                                                          self.cache.rows(0, n), anchors))
+                if rep:
+                    self.costs.record(kind, n * T * (1 + m), stats.forward_seconds[kind])
+            result[kind][n * T * (1 + m)] = self.costs.seconds(kind, n * T * (1 + m))
+        self.cache.lens.zero_()
+        return result
 
     def _admit(self, out, stats) -> int:
         """Prefill waiting requests into free rows (longest first) and emit their first token."""
@@ -322,7 +384,7 @@ class Engine:
         self.slots.extend(new)
         first = self._sample(self.target.logits(h), rows)  # [k]
         self.bonus[rows] = first
-        self.has_drafts[rows] = False
+        self.ndrafts[rows] = 0
         for r, tok in zip(range(n0, n0 + len(new)), first.tolist()):
             self._emit(r, [tok], out)
         return len(new)
@@ -352,7 +414,7 @@ class Engine:
             req.finish_reason = "length"
         out.setdefault(req.id, []).extend(emitted)
 
-    def _set_drafts(self, rows: torch.Tensor, logits: torch.Tensor) -> None:
+    def _set_drafts(self, rows: torch.Tensor, logits: torch.Tensor, from_branch: bool = False) -> None:
         """Draft logits [r, Bv, V] of rows -> drafts (argmax, or drawn from q for sampled rows) + confidences."""
         Bv = logits.shape[1]
         probs = logits.float().softmax(-1)
@@ -366,29 +428,29 @@ class Engine:
                 self.q[row, :Bv] = q
         self.drafts[rows, :Bv] = drafts
         self.conf[rows, :Bv] = conf
-        self.conf[rows, Bv:] = 0.0
-        self.has_drafts[rows] = True
+        self.ndrafts[rows] = Bv
+        self.from_branch[rows] = from_branch
 
     def _draft(self, rows: torch.Tensor, Bv: int, stats: StepStats) -> None:
         """Sequential drafter pass for `rows`: slot 0 = their known bonus, slots 1..Bv draft."""
+        logits = self._timed(stats, "draft", rows.numel() * (Bv + 1), lambda: self._draft_forward(rows, Bv))
+        self._set_drafts(rows, logits)
+
+    def _draft_forward(self, rows: torch.Tensor, Bv: int) -> torch.Tensor:
+        """-> draft logits [r, Bv, V] of a block at each row's length (slot 0 at the bonus' position)."""
         dev, T = self.target.device, Bv + 1
         lens = self.cache.lens[rows]  # [r]
-        pos = lens[:, None] + torch.arange(T, device=dev)  # [r, T]: slot 0 at the bonus' position
+        pos = lens[:, None] + torch.arange(T, device=dev)  # [r, T]
         inputs = self.drafter.slot_inputs(self.target, self.bonus[rows], torch.ones_like(rows, dtype=torch.bool))
         S = int(lens.max())
-        ctx = (torch.arange(S, device=dev) < lens[:, None, None]).expand(-1, T, S)  # [r, T, S]
-        block_of = torch.zeros_like(pos)
-        frac = (self.target.args.n_layers - self.drafter.config.entry_layer) / self.target.args.n_layers
+        ctx = (torch.arange(S, device=dev) < lens[:, None, None]).expand(-1, T, S)  # [r, T, S]: the prefix
+        h = self.drafter(self.target, inputs[:, :T], pos, torch.zeros_like(pos), self.cache, ctx, rows=rows)
+        return self.target.logits(h[:, 1:])
 
-        def run():
-            h = self.drafter(self.target, inputs[:, :T], pos, block_of, self.cache, ctx, rows=rows)
-            return self.target.logits(h[:, 1:])  # [r, Bv, V]
-
-        self._set_drafts(rows, self._timed(stats, "draft", rows.numel() * T * frac, run))
-
-    def _verify(self, n: int, Bv: int, mode: str, out, stats: StepStats) -> None:
+    def _verify(self, n: int, plan: Plan, out, stats: StepStats) -> None:
         """Target forward over [bonus, d_1..d_Bv] of rows 0..n-1 (+ branches in parallel mode), acceptance,
         emission, cache rollback by length."""
+        mode, Bv = plan.mode, plan.block
         dev, T = self.target.device, Bv + 1
         rows = torch.arange(n, device=dev)
         tokens = torch.cat((self.bonus[:n, None], self.drafts[:n, :Bv]), dim=1)  # [n, T]
@@ -396,24 +458,24 @@ class Engine:
         pos = lens[:, None] + torch.arange(T, device=dev)
         view = self.cache.rows(0, n)
         if mode == "parallel":
-            anchors = self._branches(n, Bv, stats)  # [n, m]
-            work = n * T + anchors.numel() * T * (self.target.args.n_layers - self.drafter.config.entry_layer) \
-                / self.target.args.n_layers
-            h, hb = self._timed(stats, "verify", work,
+            anchors = self._branches(n, Bv, plan.branches, stats)  # [n, m]
+            h, hb = self._timed(stats, "parallel", n * T + anchors.numel() * T,
                                 lambda: parallel_forward(self.target, self.drafter, tokens, pos, view, anchors))
         else:
-            h = self._timed(stats, "verify", n * T, lambda: self.target(tokens, pos, view))
+            h = self._timed(stats, "target", n * T, lambda: self.target(tokens, pos, view))
             hb = None
         self.totals["target_forwards"] += 1
         logits = self.target.logits(h)  # [n, T, V]
         accepted, new_bonus = self._accept(logits, tokens[:, 1:], rows)  # [n], [n]
         self.cache.lens[:n] = lens + accepted + 1
         self.bonus[:n] = new_bonus
-        self.has_drafts[:n] = False
+        self.ndrafts[:n] = 0
         acc = accepted.tolist()
         if mode != "ar":
             stats.accepted = acc
-            self.acceptance.record(mode, Bv, acc)
+            branch = self.from_branch[:n].tolist()
+            for kind, flag in (("parallel", True), ("sequential", False)):
+                self.acceptance.record(kind, Bv, [a for a, b in zip(acc, branch) if b == flag])
         drafts, bonus = self.drafts[:n, :Bv].tolist(), new_bonus.tolist()
         for r in range(n):
             self.slots[r].forwards += 1
@@ -455,7 +517,7 @@ class Engine:
             bonus[i] = torch.multinomial(dist / dist.sum(), 1, generator=req.generator)[0]
         return accepted, bonus
 
-    def _branches(self, n: int, Bv: int, stats: StepStats) -> torch.Tensor:
+    def _branches(self, n: int, Bv: int, cap: int, stats: StepStats) -> torch.Tensor:
         """Selective verification: per row, the accepted lengths a (branch anchors) most probable under
         P(accept >= a) = prod_{j<=a} c_j and P(accept = a) = P(>= a) (1 - c_{a+1}) -> [n, m], most probable first."""
         c = self.conf[:n, :Bv].double()
@@ -465,8 +527,9 @@ class Engine:
         if self.config.rho < 1:
             mass = eq.sort(-1, descending=True).values.cumsum(-1)
             m = int((mass < self.config.rho * eq.sum(-1, keepdim=True)).sum(-1).max()) + 1
-        if self.config.top_m:
-            m = min(m, self.config.top_m)
+        for limit in (self.config.top_m, cap):
+            if limit:
+                m = min(m, limit)
         stats.branches = float(min(m, Bv + 1))
         return eq.topk(min(m, Bv + 1), dim=-1).indices
 
@@ -486,7 +549,7 @@ class Engine:
         h = hb[rows, branch, 1:]  # [r, Bv, d]
         if self.config.calibrate:
             h = self.drafter.calibrate(self.target, h, new_bonus[rows, None].expand(-1, Bv))
-        self._set_drafts(rows, self.target.logits(h))
+        self._set_drafts(rows, self.target.logits(h), from_branch=True)
 
     def _retire(self) -> None:
         """Remove finished rows; the last row moves into each freed row (a copy of its cached prefix)."""
@@ -502,7 +565,7 @@ class Engine:
                 n = int(self.cache.lens[last])
                 for k in (*self.cache.k, *self.cache.v):
                     k[r, :, :n] = k[last, :, :n]
-                for buf in (self.cache.lens, self.bonus, self.drafts, self.conf, self.has_drafts):
+                for buf in (self.cache.lens, self.bonus, self.drafts, self.conf, self.ndrafts, self.from_branch):
                     buf[r] = buf[last]
                 if self.q is not None:
                     self.q[r] = self.q[last]
@@ -530,29 +593,62 @@ def parallel_forward(target: Transformer, drafter: Drafter, tokens: torch.Tensor
     masked draft block per branch: branch anchors [n, m] (a = accepted drafts it assumes) -> clean hidden
     states [n, T, d] and branch hidden states [n, m, T, d].
 
-    The clean path runs exactly the ops of `target(tokens, pos, cache)` (same shapes, same order): its
-    outputs are bitwise those of a plain verify. Branch a sits at positions pos[:, a] + 1 .. + T and sees
-    the cached prefix plus verify tokens 0..a (written into the cache by this layer's clean path before
-    the branches read it) and its own block; slot 0 is the mask (the bonus is not known yet)."""
+    Branch a sits at positions pos[:, a] + 1 .. + T and sees the cached prefix plus verify tokens 0..a
+    (written into the cache by this layer's clean path before the branches read it) and its own block;
+    slot 0 is the mask (the bonus is not known yet). Clean and branch tokens share every GEMM whose weights
+    they share (norms, the target's projectors below the tuned layers, FFNs): at batch 1 the forward is
+    memory-bound and reading the weights once is what makes the branches nearly free. The clean tokens never
+    attend to a branch token, so their outputs equal a plain verify's up to the rounding of the larger GEMMs
+    (fp32: ~1e-6 relative; tested)."""
     n, T = tokens.shape
     m = anchors.shape[1]
     dev = tokens.device
-    span = int(pos.max()) + 1
-    mask = (torch.arange(span, device=dev) <= pos[..., None])[:, None]  # as Transformer.forward builds it
-    if target.math_attention:
-        mask = grouped_bias(mask, target.args.n_heads // target.args.n_kv_heads)
+    e, s = drafter.config.entry_layer, drafter.first_tuned
+    span, N = int(pos.max()) + 1, m * T
     base = pos[:, :1] + anchors  # [n, m]: position of verify token a (the branch's last visible one)
-    bpos = (base[:, :, None] + 1 + torch.arange(T, device=dev)).reshape(n, m * T)  # [n, m*T]
+    bpos = (base[:, :, None] + 1 + torch.arange(T, device=dev)).reshape(n, N)  # [n, N]
     block_of = torch.arange(m, device=dev).repeat_interleave(T).expand(n, -1)
-    ctx = torch.arange(span, device=dev) <= base.repeat_interleave(T, dim=1)[:, :, None]  # [n, m*T, span]
-    bmasks = drafter.block_masks(target, bpos, block_of, ctx)
-    bcos, bsin = target.rope(bpos, target.dtype)
+    same = block_of[:, :, None] == block_of[:, None, :]  # [n, N, N]
+    in_block = {"causal": same & (bpos[:, None, :] <= bpos[:, :, None]), "bidirectional": same}
+    # one attention per layer for clean and branch queries over [cached slots ; branch keys]:
+    # clean rows see the cache causally and no branch key; branch rows see their prefix and their block
+    clean = torch.cat(((torch.arange(span, device=dev) <= pos[..., None]), pos.new_zeros(n, T, N, dtype=torch.bool)), -1)
+    ctx = torch.arange(span, device=dev) <= base.repeat_interleave(T, dim=1)[:, :, None]  # [n, N, span]
+    masks = [torch.cat((clean, torch.cat((ctx, in_block[kind]), -1)), dim=1)[:, None]  # [n, 1, T + N, span + N]
+             for kind in ("causal", drafter.config.tuned_attention)]
+    group = target.args.n_heads // target.args.n_kv_heads
+    if target.math_attention:
+        masks = [grouped_bias(mk, group) for mk in masks]
     x = target.embed_tokens(tokens)
     cos, sin = target.rope(pos, x.dtype)
-    xb = drafter.mask_embedding.to(x.dtype).expand(n, m * T, -1)
-    for i, layer in enumerate(target.layers):
-        x = layer(x, cos, sin, mask, cache, i, pos, span)
-        if i >= drafter.config.entry_layer:
-            xb = drafter.block_layer(target, i, xb, bcos, bsin, cache.k[i][:, :, :span], cache.v[i][:, :, :span],
-                                     bmasks)
-    return target.norm(x), target.norm(xb).view(n, m, T, -1)
+    cos_all, sin_all = target.rope(torch.cat((pos, bpos), dim=1), x.dtype)  # [n, 1, T + N, D]
+    if e:  # below the entry layer only the clean tokens run, exactly as in the target's forward
+        clean_mask = clean[:, None, :, :span]
+        clean_mask = grouped_bias(clean_mask, group) if target.math_attention else clean_mask
+        for i, layer in enumerate(target.layers[:e]):
+            x = layer(x, cos, sin, clean_mask, cache, i, pos, span)
+    xx = torch.cat((x, drafter.mask_embedding.to(x.dtype).expand(n, N, -1)), dim=1)  # [n, T + N, d]
+    for i in range(e, target.args.n_layers):
+        layer, attn = target.layers[i], target.layers[i].self_attn
+        hx = layer.input_layernorm(xx)
+        if i >= s:  # tuned layer: the branches use the drafter's projectors
+            tuned = drafter.attn[i - s]
+            q, k, v = attn.project(hx[:, :T], cos, sin)
+            qb, kb, vb = tuned.project(hx[:, T:], cos_all[:, :, T:], sin_all[:, :, T:])
+            q = torch.cat((q, qb), dim=2)
+        else:
+            q, k, v = attn.project(hx, cos_all, sin_all)
+            k, kb = k.split((T, N), dim=2)
+            v, vb = v.split((T, N), dim=2)
+        cache.write(i, pos, k, v)
+        keys = torch.cat((cache.k[i][:, :, :span], kb), dim=2)  # [n, Hkv, span + N, D]
+        values = torch.cat((cache.v[i][:, :, :span], vb), dim=2)
+        y = attend(q, keys, values, masks[i >= s])  # [n, H, T + N, D]
+        if i >= s:
+            out = torch.cat((attn.output(y[:, :, :T]), tuned.output(y[:, :, T:])), dim=1)
+        else:
+            out = attn.output(y)
+        xx = xx + out
+        xx = xx + layer.mlp(layer.post_attention_layernorm(xx))
+    h = target.norm(xx)
+    return h[:, :T], h[:, T:].view(n, m, T, -1)
