@@ -15,7 +15,7 @@ export RAY_USAGE_STATS_ENABLED := 0
 export RAY_AUTH_MODE := disabled
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test bench clean-venv
+.PHONY: install demo test bench bench-spec clean-venv
 
 install: $(STAMP)
 
@@ -37,6 +37,9 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/flexdraft bench-ar
+
+bench-spec: $(STAMP)
+	$(VENV)/bin/flexdraft bench-spec
 
 clean-venv:
 	rm -rf $(VENV)

@@ -18,7 +18,7 @@ def test_generate_json_lines_in_input_order(tmp_path, capsys, real_folder, real_
         {"prompt_token_ids": [1, 9690, 198, 504, 3458]},
     ])
     assert main(["generate", "--model", str(real_folder), "--prompts-file", str(f), "--json",
-                 "--max-new-tokens", "12", "--batch-size", "2", "--dtype", "float32"]) == 0
+                 "--max-new-tokens", "12", "--batch-size", "2", "--dtype", "float32", "--mode", "ar"]) == 0
     out, err = capsys.readouterr()
     lines = [json.loads(line) for line in out.splitlines()]
     assert [r["index"] for r in lines] == [0, 1, 2]
@@ -69,3 +69,29 @@ def test_folder_without_tokenizer_is_named(tmp_path, capsys):
     assert main(["generate", "--prompt", "hi", "--model", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert f"no usable tokenizer in {tmp_path}" in err and err.count("\n") == 1
+
+
+@pytest.mark.real_model
+def test_generate_speculative_modes_json(tmp_path, capsys, real_folder, real_lm, monkeypatch):
+    """--drafter init (untrained), sequential and parallel: the JSON lines add accepted_lengths and tau and
+    the tokens equal AR greedy; without --drafter, with no default drafter, mode defaults to ar (and says
+    so) while an explicit speculative mode is a one-line error naming the missing file."""
+    monkeypatch.setenv("FLEXDRAFT_HOME", str(tmp_path))  # no default drafter here
+    ids = [1, 9690, 198, 504, 3458]
+    ref = generate(real_lm.model, [ids], SamplingParams(max_new_tokens=10), real_lm.eos_token_ids)[0].token_ids
+    f = write_jsonl(tmp_path / "p.jsonl", [{"prompt_token_ids": ids}])
+    base = ["generate", "--model", str(real_folder), "--prompts-file", str(f), "--json", "--max-new-tokens", "10",
+            "--dtype", "float32"]
+    for mode in ("sequential", "parallel"):
+        assert main([*base, "--drafter", "init", "--mode", mode, "--block-size", "3"]) == 0
+        out, err = capsys.readouterr()
+        row = json.loads(out)
+        assert row["token_ids"] == ref and row["mode"] == mode
+        assert row["tau"] >= 1 and all(0 <= a <= 3 for a in row["accepted_lengths"])
+        assert "[drafter: init; mode " + mode in err
+    assert main(base) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["token_ids"] == ref and "no drafter" in err and "mode ar" in err
+    assert main([*base, "--mode", "adaptive"]) == 2
+    err = capsys.readouterr().err
+    assert "no drafter given and the default one" in err and str(tmp_path) in err and err.count("\n") == 1

@@ -23,8 +23,9 @@ def _add_runtime_flags(p: argparse.ArgumentParser) -> None:
 
 def cmd_generate(args) -> None:
     from flexdraft.data import chat_ids, read_prompts_file, text_ids
-    from flexdraft.generate import SamplingParams, check_prompts, generate
-    from flexdraft.models.loading import load_model
+    from flexdraft.engine import EngineConfig
+    from flexdraft.generate import SamplingParams, check_prompts
+    from flexdraft.runner import load_engine, seed_costs
 
     if (args.prompt is None) == (args.prompts_file is None):
         raise FlexDraftError("give exactly one of --prompt TEXT or --prompts-file F.jsonl")
@@ -38,7 +39,9 @@ def cmd_generate(args) -> None:
         top_p=args.top_p if args.top_p is not None else 1.0,
         seed=args.seed,
     )
-    lm = load_model(args.model, _runtime(args))
+    cfg = EngineConfig(mode=args.mode or "adaptive", block_size=args.block_size, switch_batch=args.switch_batch,
+                       top_m=args.top_m, rho=args.rho, max_batch=args.batch_size, max_len=args.max_len)
+    lm, engine, note = load_engine(args.model, _runtime(args), args.drafter, cfg, mode_given=args.mode is not None)
     tok = lm.tokenizer
     if args.prompt is not None:
         prompts = [chat_ids(tok, [{"role": "user", "content": args.prompt}]) if args.chat
@@ -46,24 +49,31 @@ def cmd_generate(args) -> None:
     else:
         prompts = read_prompts_file(args.prompts_file, tok)
     check_prompts(prompts, lm.model.args.max_position_embeddings, lm.model.args.vocab_size)  # all, up front
-    total_tokens, total_time = 0, 0.0
-    for start in range(0, len(prompts), args.batch_size):
-        batch = prompts[start:start + args.batch_size]
-        gens = generate(lm.model, batch, params, lm.eos_token_ids)
-        for i, g in enumerate(gens):
-            total_tokens += len(g.token_ids)
-            total_time += g.seconds
-            text = tok.decode(g.token_ids, skip_special_tokens=True)
-            if args.json:
-                print(json.dumps({"index": start + i, "token_ids": g.token_ids, "text": text,
-                                  "seconds": round(g.seconds, 6), "finish_reason": g.finish_reason,
-                                  "prompt_tokens": g.prompt_len, "mode": "ar"}), flush=True)
-            else:
-                print(text, flush=True)
-                if len(prompts) > 1:
-                    print("-" * 40, flush=True)
+    for i, p in enumerate(prompts):  # the engine's own check names the limit; here it also names the prompt
+        if len(p) + params.max_new_tokens + engine.B + 1 > cfg.max_len:
+            raise FlexDraftError(f"prompt {i}: {len(p)} tokens + --max-new-tokens {params.max_new_tokens} + "
+                                 f"{engine.B + 1} verify slots exceed --max-len {cfg.max_len}")
+    print(note, file=sys.stderr)
+    seed_costs(engine)
+    gens = engine.generate(prompts, params)
+    total_tokens = sum(len(g.token_ids) for g in gens)
+    total_time = sum(g.seconds for g in gens)
+    for i, g in enumerate(gens):
+        text = tok.decode(g.token_ids, skip_special_tokens=True)
+        if args.json:
+            row = {"index": i, "token_ids": g.token_ids, "text": text, "seconds": round(g.seconds, 6),
+                   "finish_reason": g.finish_reason, "prompt_tokens": g.prompt_len, "mode": cfg.mode}
+            if cfg.mode != "ar":
+                row.update(accepted_lengths=g.extra["accepted_lengths"], tau=round(g.extra["tau"], 4))
+            print(json.dumps(row), flush=True)
+        else:
+            print(text, flush=True)
+            if len(prompts) > 1:
+                print("-" * 40, flush=True)
+    taus = [g.extra["tau"] for g in gens]
     print(f"[{len(prompts)} prompts, {total_tokens} tokens in {total_time:.2f}s: "
-          f"{total_tokens / max(total_time, 1e-9):.1f} tokens/s, mode ar]", file=sys.stderr)
+          f"{total_tokens / max(total_time, 1e-9):.1f} tokens/s, mode {cfg.mode}, "
+          f"tau {sum(taus) / len(taus):.2f}]", file=sys.stderr)
 
 
 def cmd_bench_ar(args) -> None:
@@ -72,6 +82,15 @@ def cmd_bench_ar(args) -> None:
     cfg = ArBenchConfig(model=args.model, device=args.device, batch_sizes=args.batch_sizes, dtypes=args.dtypes,
                         threads=args.threads_list, max_new_tokens=args.max_new_tokens, repeats=args.repeats)
     run_ar_benchmark(cfg)
+
+
+def cmd_bench_spec(args) -> None:
+    from flexdraft.bench_spec import SpecBenchConfig, run_spec_benchmark
+
+    run_spec_benchmark(SpecBenchConfig(model=args.model, drafter=args.drafter or "", device=args.device,
+                                       dtype=args.dtype, threads=args.threads, batch_sizes=args.batch_sizes,
+                                       max_new_tokens=args.max_new_tokens, repeats=args.repeats, top_m=args.top_m,
+                                       switch_batch=args.switch_batch))
 
 
 def cmd_demo(args) -> None:
@@ -98,12 +117,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="wrap --prompt as a user message in the chat template")
     g.add_argument("--prompts-file", help="JSONL: {prompt} | {messages} | {prompt_token_ids} per line")
     g.add_argument("--max-new-tokens", type=int, default=128)
-    g.add_argument("--batch-size", type=int, default=8)
+    g.add_argument("--batch-size", type=int, default=8, help="rows decoded together (continuous batching)")
     g.add_argument("--temperature", type=float)
     g.add_argument("--top-p", type=float)
     g.add_argument("--top-k", type=int)
     g.add_argument("--seed", type=int)
-    g.add_argument("--mode", choices=["ar"], default="ar", help="decoding mode (speculative modes: later)")
+    g.add_argument("--mode", choices=["ar", "sequential", "parallel", "adaptive"],
+                   help="decoding mode (default: adaptive when a drafter is available, else ar)")
+    g.add_argument("--drafter", help="drafter folder, or 'init' (untrained); default: the default pipeline's")
+    g.add_argument("--block-size", type=int, default=0, help="drafts verified per step (0 = the drafter's)")
+    g.add_argument("--switch-batch", type=int, default=4, help="adaptive: parallel mode at <= this many rows")
+    g.add_argument("--top-m", type=int, default=0, help="parallel: keep at most m branches per row (0 = all)")
+    g.add_argument("--rho", type=float, default=1.0, help="parallel: keep branches covering this mass")
+    g.add_argument("--max-len", type=int, default=2048, help="cache slots per row")
     g.add_argument("--json", action="store_true", help="one JSON line per prompt, in input order")
     g.set_defaults(func=cmd_generate)
 
@@ -116,6 +142,19 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-new-tokens", type=int, default=64)
     b.add_argument("--repeats", type=int, default=3)
     b.set_defaults(func=cmd_bench_ar)
+
+    b = sub.add_parser("bench-spec", help="speculative modes vs our AR on GSM8K, side by side")
+    b.add_argument("--model", default="smollm2")
+    b.add_argument("--drafter", help="drafter folder or 'init' (default: the default pipeline's)")
+    b.add_argument("--device", default="auto")
+    b.add_argument("--dtype", default="bfloat16")
+    b.add_argument("--threads", type=int, default=0, help="0 = one per core")
+    b.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
+    b.add_argument("--max-new-tokens", type=int, default=48)
+    b.add_argument("--repeats", type=int, default=1)
+    b.add_argument("--top-m", type=int, default=2, help="branches kept by the pruned parallel mode")
+    b.add_argument("--switch-batch", type=int, default=4)
+    b.set_defaults(func=cmd_bench_spec)
 
     for name, stage, help_ in [("distill", "distill", "self-distillation data (Ray actors)"),
                                ("tune-attention", "attention", "attention tuning (Ray Train + DeepSpeed)"),

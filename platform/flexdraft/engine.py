@@ -251,7 +251,7 @@ class Engine:
         # tokens per target forward; the prefill's token is not counted (it costs the same in every mode)
         tau = (len(req.tokens) - 1) / req.forwards if req.forwards else 1.0
         return Generation(req.tokens, req.finish_reason, 0.0, len(req.prompt),
-                          {"accepted_lengths": req.accepted, "tau": tau})
+                          {"accepted_lengths": req.accepted, "tau": tau, "forwards": req.forwards})
 
     @property
     def active(self) -> int:

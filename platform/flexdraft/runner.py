@@ -1,0 +1,86 @@
+"""Assembling a ready engine: target model, drafter (a path, the default pipeline's, or `init`), engine config
+and the adaptive policy's cost profile (measured once per model/drafter/device/dtype/threads, then cached).
+Used by the CLI, the speculative benchmark and (later) the Serve deployment."""
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from flexdraft.config import RuntimeConfig, data_dir
+from flexdraft.drafter import Drafter, DrafterConfig, load_drafter, read_drafter_meta, weights_fingerprint
+from flexdraft.engine import CostModel, Engine, EngineConfig
+from flexdraft.errors import FlexDraftError
+from flexdraft.models.loading import LoadedModel, load_model
+from flexdraft.pipeline import PipelineConfig
+
+
+def default_drafter_dir() -> Path:
+    """Where the drafter jobs' default config (configs/smollm2.yaml = the embedded defaults) puts its result."""
+    return PipelineConfig().drafter_dir("calibration")
+
+
+@dataclass
+class DrafterChoice:
+    drafter: Drafter | None
+    source: str  # a folder, "init", or "" (none)
+    prior: dict | None  # the drafter's validation agreement (seeds the acceptance model)
+
+
+def resolve_drafter(spec: str | None, target, required: bool) -> DrafterChoice:
+    """spec: a drafter folder, "init" (projectors copied from the target, calibration zero: lossless, slow),
+    or None = the default pipeline's drafter if it exists. required: a speculative mode was asked for."""
+    if spec == "init":
+        return DrafterChoice(Drafter.from_target(target, DrafterConfig()), "init", None)
+    folder = Path(spec).expanduser() if spec else default_drafter_dir()
+    if not spec and not (folder / "drafter.json").is_file():
+        if required:
+            raise FlexDraftError(f"no drafter given and the default one ({folder}) does not exist: train it with "
+                                 "`flexdraft pipeline`, pass --drafter PATH, or --drafter init (untrained)")
+        return DrafterChoice(None, "", None)
+    drafter = load_drafter(folder, target)
+    return DrafterChoice(drafter, str(folder), read_drafter_meta(folder).get("eval"))
+
+
+def profile_file(target, drafter: Drafter, cfg: EngineConfig) -> Path:
+    """The cached cost profile of this model, drafter shape, device, dtype, threads and batch size."""
+    key = json.dumps([weights_fingerprint(target), asdict(drafter.config), str(target.device), str(target.dtype),
+                      torch.get_num_threads(), cfg.max_batch, cfg.switch_batch, cfg.block_size], sort_keys=True)
+    return data_dir() / "profiles" / (hashlib.sha256(key.encode()).hexdigest()[:12] + ".json")
+
+
+def seed_costs(engine: Engine, log=lambda s: print(s, file=sys.stderr)) -> None:
+    """Adaptive engines: load the cached cost profile, or measure it (a few seconds) and cache it."""
+    if engine.config.mode != "adaptive" or not engine.config.cost_model:
+        return
+    path = profile_file(engine.target, engine.drafter, engine.config)
+    if path.is_file():
+        points = json.loads(path.read_text())
+        for kind in CostModel.KINDS:
+            engine.costs.points[kind] = {int(b): t for b, t in points[kind].items()}
+        return
+    log(f"[profiling forwards for the adaptive policy; cached in {path}]")
+    engine.profile()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(engine.costs.points))
+
+
+def load_engine(model: str, runtime: RuntimeConfig, drafter_spec: str | None, cfg: EngineConfig,
+                mode_given: bool = True) -> tuple[LoadedModel, Engine, str]:
+    """-> (model, engine, a note saying which drafter and mode). Without an explicit mode: adaptive when a
+    drafter is available, else AR. The adaptive policy's costs are not seeded here: see `seed_costs`."""
+    lm = load_model(model, runtime)
+    choice = resolve_drafter(drafter_spec, lm.model, required=cfg.mode != "ar" and mode_given)
+    if not mode_given:
+        cfg.mode = "adaptive" if choice.drafter is not None else "ar"
+    if choice.source:
+        note = f"[drafter: {choice.source}; mode {cfg.mode}]"
+    else:
+        note = f"[no drafter (the default {default_drafter_dir()} does not exist): mode ar]"
+    engine = Engine(lm.model, choice.drafter if cfg.mode != "ar" else None, cfg, lm.eos_token_ids,
+                    acceptance_prior=choice.prior)
+    return lm, engine, note
