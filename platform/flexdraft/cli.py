@@ -129,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--switch-batch", type=int, default=4, help="adaptive: parallel mode at <= this many rows")
     g.add_argument("--top-m", type=int, default=0, help="parallel: keep at most m branches per row (0 = all)")
     g.add_argument("--rho", type=float, default=1.0, help="parallel: keep branches covering this mass")
-    g.add_argument("--max-len", type=int, default=2048, help="cache slots per row")
+    g.add_argument("--max-len", type=int, default=0, help="cache slots per row (0: min(2048, context))")
     g.add_argument("--json", action="store_true", help="one JSON line per prompt, in input order")
     g.set_defaults(func=cmd_generate)
 

@@ -45,7 +45,7 @@ class EngineConfig:
     calibrate: bool = True  # parallel: correct the taken branch with the now-known bonus
     cost_model: bool = True  # adaptive: per step, pick AR / sequential / parallel and Bv by measured cost
     max_batch: int = 16  # rows decoded together; further requests wait
-    max_len: int = 2048  # cache slots per row: prompt + max_new_tokens + block_size + 1 must fit
+    max_len: int = 0  # cache slots per row (prompt + max_new_tokens + block_size + 1 must fit); 0 = min(2048, context)
 
     def check(self, drafter: Drafter | None, context: int) -> None:
         if self.mode not in MODES:
@@ -63,6 +63,8 @@ class EngineConfig:
             raise FlexDraftError(f"switch_batch must be >= 0, got {self.switch_batch}")
         if self.max_batch < 1:
             raise FlexDraftError(f"max_batch must be >= 1, got {self.max_batch}")
+        if self.max_len == 0:
+            self.max_len = min(2048, context)
         if not 2 <= self.max_len <= context:
             raise FlexDraftError(f"max_len={self.max_len} must be between 2 and the model's context of {context}")
 
