@@ -146,3 +146,25 @@ def test_fingerprint_ignores_dtype(tiny, tmp_path):
 def test_bad_drafter_config(tiny, cfg, msg):
     with pytest.raises(FlexDraftError, match=msg):
         Drafter(tiny.args, cfg)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("tuned_attention", ["bidirectional", "causal"])
+def test_in_cache_drafting_equals_the_copying_block_forward(tiny, tuned_attention):
+    """One block per row at the row's length (the engine's sequential drafting): writing the block's K/V past
+    each row's length and attending over the cache gives the hidden states of the block forward that copies
+    the prefix (fp32, 1e-5), ragged rows, entry layer 1; the cache up to each row's length is untouched."""
+    drafter = Drafter.from_target(tiny, DrafterConfig(k=2, block_size=4, entry_layer=1,
+                                                      tuned_attention=tuned_attention))
+    seqs = sequences(tiny.args.vocab_size, R=3)
+    cache, _ = target_pass(tiny, seqs)
+    cache.lens = torch.tensor([12, 30, 21])
+    kept = [k[r, :, :n].clone() for k in cache.k for r, n in enumerate(cache.lens.tolist())]
+    inputs = drafter.slot_inputs(tiny, torch.tensor([5, 9, 11]), torch.ones(3, dtype=torch.bool))  # [3, 5, d]
+    pos = cache.lens[:, None] + torch.arange(5)
+    ctx = (torch.arange(40) < cache.lens[:, None, None]).expand(3, 5, 40)
+    want = drafter(tiny, inputs, pos, torch.zeros_like(pos), cache, ctx)
+    got = drafter.forward_in_cache(tiny, inputs, cache)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert all(torch.equal(a, k[r, :, :n]) for a, (k, (r, n)) in
+               zip(kept, ((k, rn) for k in cache.k for rn in enumerate(cache.lens.tolist()))))

@@ -150,6 +150,35 @@ class Drafter(nn.Module):
             x = self.block_layer(target, i, x, cos, sin, ctx_k, ctx_v, masks)
         return target.norm(x)
 
+    def forward_in_cache(self, target: Transformer, inputs: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """One block per cache row, at the row's length: inputs [R, T, d] -> final-normed hidden [R, T, d].
+
+        The same computation as `forward` for such blocks, without copying the prefix's keys/values: each
+        layer writes the block's keys/values into the cache at slots lens .. lens+T-1, past the row's length
+        (scratch that the next write there replaces; the row's length is unchanged), and attends over the
+        cache: causally in the shallow layers (slot <= own position), to the prefix and the whole block in
+        the tuned ones (slot < lens + T, or causal when so configured)."""
+        R, T, _ = inputs.shape
+        pos = cache.lens[:, None] + torch.arange(T, device=inputs.device)  # [R, T]
+        span = int(pos.max()) + 1
+        slots = torch.arange(span, device=inputs.device)
+        causal = slots <= pos[..., None]  # [R, T, span]
+        whole = (slots < (cache.lens + T)[:, None, None]).expand(R, T, span)
+        masks = [m[:, None] for m in (causal, whole if self.config.tuned_attention == "bidirectional" else causal)]
+        if target.math_attention:
+            masks = [grouped_bias(m, self.args.n_heads // self.args.n_kv_heads) for m in masks]
+        x = inputs
+        cos, sin = target.rope(pos, x.dtype)
+        for i in range(self.config.entry_layer, self.args.n_layers):
+            layer = target.layers[i]
+            attn = self.attn[i - self.first_tuned] if i >= self.first_tuned else layer.self_attn
+            q, k, v = attn.project(layer.input_layernorm(x), cos, sin)
+            cache.write(i, pos, k, v)
+            y = attend(q, cache.k[i][:, :, :span], cache.v[i][:, :, :span], masks[i >= self.first_tuned])
+            x = x + attn.output(y)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return target.norm(x)
+
     def slot_inputs(self, target: Transformer, bonus: torch.Tensor, bonus_known: torch.Tensor) -> torch.Tensor:
         """bonus, bonus_known [...] -> [..., B + 1, d]: slot 0 = embed(bonus) where known, else the mask."""
         shape = (*bonus.shape, self.config.block_size + 1, self.args.dim)

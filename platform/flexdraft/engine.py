@@ -439,14 +439,18 @@ class Engine:
         self._set_drafts(rows, logits)
 
     def _draft_forward(self, rows: torch.Tensor, Bv: int) -> torch.Tensor:
-        """-> draft logits [r, Bv, V] of a block at each row's length (slot 0 at the bonus' position)."""
+        """-> draft logits [r, Bv, V] of a block at each row's length (slot 0 = the bonus, at its position)."""
         dev, T = self.target.device, Bv + 1
-        lens = self.cache.lens[rows]  # [r]
-        pos = lens[:, None] + torch.arange(T, device=dev)  # [r, T]
         inputs = self.drafter.slot_inputs(self.target, self.bonus[rows], torch.ones_like(rows, dtype=torch.bool))
-        S = int(lens.max())
-        ctx = (torch.arange(S, device=dev) < lens[:, None, None]).expand(-1, T, S)  # [r, T, S]: the prefix
-        h = self.drafter(self.target, inputs[:, :T], pos, torch.zeros_like(pos), self.cache, ctx, rows=rows)
+        first = int(rows[0])
+        if torch.equal(rows, torch.arange(first, first + rows.numel(), device=dev)):  # contiguous: no copies
+            h = self.drafter.forward_in_cache(self.target, inputs[:, :T], self.cache.rows(first, first + rows.numel()))
+        else:  # scattered rows (fresh or pruned ones among others): read their prefixes by index
+            lens = self.cache.lens[rows]  # [r]
+            pos = lens[:, None] + torch.arange(T, device=dev)  # [r, T]
+            S = int(lens.max())
+            ctx = (torch.arange(S, device=dev) < lens[:, None, None]).expand(-1, T, S)  # [r, T, S]: the prefix
+            h = self.drafter(self.target, inputs[:, :T], pos, torch.zeros_like(pos), self.cache, ctx, rows=rows)
         return self.target.logits(h[:, 1:])
 
     def _verify(self, n: int, plan: Plan, out, stats: StepStats) -> None:
