@@ -97,18 +97,29 @@ class _Request:
 
 class AcceptanceModel:
     """Running estimate of P(draft j accepted | drafts 1..j-1 accepted) for sequential (bonus known) and
-    parallel (masked slot 0) drafts, started from the drafter's validation numbers when it has them."""
+    parallel (masked slot 0, calibrated) drafts. Prior, worth `weight` verified blocks: a constant rate r
+    per draft whose expected accepted length sum_j r^j matches the drafter's validation tau (bonus / mask
+    calibrated) when it has one, else r = 0.5."""
 
     def __init__(self, block: int, prior: dict | None = None, weight: float = 20.0):
         self.tried = {k: torch.full((block,), weight, dtype=torch.float64) for k in ("sequential", "parallel")}
-        self.passed = {k: torch.zeros(block, dtype=torch.float64) for k in ("sequential", "parallel")}
+        self.passed = {}
         for kind, key in (("sequential", "bonus"), ("parallel", "mask_calibrated")):
-            acc = [(prior or {}).get(f"eval/{key}/acc_slot{j + 1}") for j in range(block)]
-            # acc_slotj is P(slot j agrees); without a prior assume a weak drafter: 0.5, 0.25, ...
-            for j in range(block):
-                p = acc[j] if acc[j] is not None else 0.5 ** (j + 1)
-                cond = p / max(acc[j - 1] if j and acc[j - 1] else 1.0, 1e-6) if acc[j] is not None else 0.5
-                self.passed[kind][j] = weight * min(max(cond, 0.0), 1.0)
+            tau = (prior or {}).get(f"eval/{key}/tau")
+            rate = self._rate_for(tau - 1, block) if tau else 0.5
+            self.passed[kind] = torch.full((block,), weight * rate, dtype=torch.float64)
+
+    @staticmethod
+    def _rate_for(mean_accepted: float, block: int) -> float:
+        """r in [0, 1) with sum_{j=1..block} r^j = mean_accepted (bisection)."""
+        lo, hi = 0.0, 0.999
+        for _ in range(50):
+            mid = (lo + hi) / 2
+            if sum(mid ** j for j in range(1, block + 1)) < mean_accepted:
+                lo = mid
+            else:
+                hi = mid
+        return lo
 
     def record(self, kind: str, block: int, accepted: list[int]) -> None:
         for a in accepted:
@@ -140,6 +151,10 @@ class CostModel:
 
     def __init__(self):
         self.points: dict[str, dict[int, float]] = {k: {} for k in self.KINDS}
+        self.step_overhead = 0.0  # seconds per step outside the forwards (acceptance, sampling, bookkeeping)
+
+    def record_step(self, seconds: float, forward_seconds: float) -> None:
+        self.step_overhead = 0.9 * self.step_overhead + 0.1 * max(seconds - forward_seconds, 0.0)
 
     @staticmethod
     def _bucket(tokens: int) -> int:
@@ -203,6 +218,7 @@ class Engine:
         self._ids = itertools.count()
         self.acceptance = AcceptanceModel(max(self.B, 1), acceptance_prior)
         self.costs = CostModel()
+        self._plans: dict[int, tuple[Plan, int]] = {}  # rows -> (adaptive plan, step it was made)
         self.last_stats = StepStats("idle", 0)
         self.totals = {"steps": 0, "tokens": 0, "target_forwards": 0, "pruned_misses": 0, "parallel_rows": 0}
 
@@ -285,6 +301,8 @@ class Engine:
             self._retire()
         self._sync()
         stats.seconds = time.perf_counter() - t0
+        if n and not stats.admitted:
+            self.costs.record_step(stats.seconds, sum(stats.forward_seconds.values()))
         self.last_stats = stats
         self.totals["steps"] += 1
         self.totals["tokens"] += sum(len(v) for v in out.values())
@@ -307,17 +325,29 @@ class Engine:
         return result
 
     def _choose(self, n: int) -> Plan:
-        """The plan of a step with n rows. Forced modes use the config; adaptive uses parallel mode at
-        <= switch_batch rows and sequential above, or, with the cost model, whichever of AR, sequential with
-        1/2/4/B drafts and parallel with 1/2/4/B drafts and 1/2/3/all branches promises the most tokens per second
-        (expected tokens from the acceptance model, seconds from the measured costs)."""
+        """The plan of a step with n rows. Forced modes use the config. Adaptive: parallel mode at
+        <= switch_batch rows, sequential above; with the cost model, whichever of AR, sequential with 1/2/4/B
+        drafts and (at <= switch_batch rows) parallel with 1/2/4/B drafts and 1/2/3/all branches promises
+        the most tokens per second (tokens from the acceptance model, seconds from the measured costs)."""
         cfg, B = self.config, self.B
         if cfg.mode != "adaptive":
             return Plan(cfg.mode, 0 if cfg.mode == "ar" else B)
         rule = "parallel" if n <= cfg.switch_batch else "sequential"
         if not cfg.cost_model or not all(self.costs.known(k) for k in CostModel.KINDS):
             return Plan(rule, B)
-        cost, acc = self.costs.seconds, self.acceptance
+        step = self.totals["steps"]
+        if n in self._plans and step - self._plans[n][1] < 16:  # re-plan every 16 steps (costs drift slowly)
+            return self._plans[n][0]
+        self._plans[n] = (self._plan(n, rule), step)
+        return self._plans[n][0]
+
+    def _plan(self, n: int, rule: str) -> Plan:
+        B = self.B
+        acc, overhead = self.acceptance, self.costs.step_overhead
+
+        def cost(kind, tokens):
+            return self.costs.seconds(kind, tokens) + (overhead if kind != "draft" else 0.0)  # once per step
+
         best, best_rate = Plan("ar"), n / cost("target", n)
         for Bv in sorted({1, 2, 4, B} & set(range(1, B + 1))):
             tokens = n * (1 + acc.expected_accepted("sequential", Bv))
@@ -348,7 +378,8 @@ class Engine:
         self.bonus.fill_(0)
         self.drafts.fill_(0)
         shapes = [("target", n, T, 0) for n in (1, 2, 4, 8, 16, 32, 64) if n <= R for T in (1, B + 1)]
-        shapes += [("draft", n, B + 1, 0) for n in (1, 2, 4, 8, 16, 32, 64) if n <= R]
+        blocks = sorted({2, 3, 5, B + 1} & set(range(2, B + 2)))  # the block lengths the policy weighs
+        shapes += [("draft", n, T, 0) for n in (1, 2, 4, 8, 16, 32, 64) if n <= R for T in blocks]
         S = min(self.config.switch_batch, R)
         shapes += [("parallel", n, B + 1, m) for n in (1, 2, 4) if n <= max(S, 1) for m in (1, 2, B + 1)]
         result: dict = {k: {} for k in CostModel.KINDS}
@@ -359,13 +390,13 @@ class Engine:
             for rep in range(repeats + 1):  # the first run warms up
                 stats = StepStats("profile", n)
                 if kind == "target":
-                    self._timed(stats, kind, 0, lambda: self.target(tokens, pos, self.cache.rows(0, n)))
+                    self._timed(stats, kind, 0, lambda: self._target_logits(tokens, pos, self.cache.rows(0, n)))
                 elif kind == "draft":
                     self._timed(stats, kind, 0, lambda: self._draft_forward(rows, T - 1))
                 else:
                     anchors = torch.arange(m, device=dev).expand(n, m)
-                    self._timed(stats, kind, 0, lambda: parallel_forward(self.target, self.drafter, tokens, pos,
-                                                                          self.cache.rows(0, n), anchors))
+                    self._timed(stats, kind, 0, lambda: self._parallel_logits(tokens, pos, self.cache.rows(0, n),
+                                                                               anchors))
                 if rep:
                     self.costs.record(kind, n * T * (1 + m), stats.forward_seconds[kind])
             result[kind][n * T * (1 + m)] = self.costs.seconds(kind, n * T * (1 + m))
@@ -465,13 +496,12 @@ class Engine:
         view = self.cache.rows(0, n)
         if mode == "parallel":
             anchors = self._branches(n, Bv, plan.branches, stats)  # [n, m]
-            h, hb = self._timed(stats, "parallel", n * T + anchors.numel() * T,
-                                lambda: parallel_forward(self.target, self.drafter, tokens, pos, view, anchors))
+            logits, hb = self._timed(stats, "parallel", n * T + anchors.numel() * T,
+                                     lambda: self._parallel_logits(tokens, pos, view, anchors))
         else:
-            h = self._timed(stats, "target", n * T, lambda: self.target(tokens, pos, view))
+            logits = self._timed(stats, "target", n * T, lambda: self._target_logits(tokens, pos, view))
             hb = None
         self.totals["target_forwards"] += 1
-        logits = self.target.logits(h)  # [n, T, V]
         accepted, new_bonus = self._accept(logits, tokens[:, 1:], rows)  # [n], [n]
         self.cache.lens[:n] = lens + accepted + 1
         self.bonus[:n] = new_bonus
@@ -490,6 +520,15 @@ class Engine:
             self._emit(r, drafts[r][: acc[r]] + [bonus[r]], out)
         if hb is not None:
             self._take_branches(hb, anchors, accepted, new_bonus, Bv, stats)
+
+    def _target_logits(self, tokens, pos, cache) -> torch.Tensor:
+        """[n, T] tokens -> [n, T, V] logits (the LM head is timed with the forward: at batch 1 it is ~15%)."""
+        return self.target.logits(self.target(tokens, pos, cache))
+
+    def _parallel_logits(self, tokens, pos, cache, anchors):
+        """-> clean logits [n, T, V], branch hidden states [n, m, T, d]."""
+        h, hb = parallel_forward(self.target, self.drafter, tokens, pos, cache, anchors)
+        return self.target.logits(h), hb
 
     def _accept(self, logits: torch.Tensor, drafts: torch.Tensor, rows: torch.Tensor):
         """logits [n, T, V] at the verify tokens, drafts [n, Bv] -> accepted drafts [n], next bonus [n].

@@ -19,6 +19,9 @@ from flexdraft.models.loading import LoadedModel, load_model
 from flexdraft.pipeline import PipelineConfig
 
 
+PROFILE_FORMAT = 3  # bump when Engine.profile measures other shapes: cached profiles are then redone
+
+
 def default_drafter_dir() -> Path:
     """Where the drafter jobs' default config (configs/smollm2.yaml = the embedded defaults) puts its result."""
     return PipelineConfig().drafter_dir("calibration")
@@ -48,7 +51,7 @@ def resolve_drafter(spec: str | None, target, required: bool) -> DrafterChoice:
 
 def profile_file(target, drafter: Drafter, cfg: EngineConfig) -> Path:
     """The cached cost profile of this model, drafter shape, device, dtype, threads and batch size."""
-    key = json.dumps([weights_fingerprint(target), asdict(drafter.config), str(target.device), str(target.dtype),
+    key = json.dumps([PROFILE_FORMAT, weights_fingerprint(target), asdict(drafter.config), str(target.device), str(target.dtype),
                       torch.get_num_threads(), cfg.max_batch, cfg.switch_batch, cfg.block_size], sort_keys=True)
     return data_dir() / "profiles" / (hashlib.sha256(key.encode()).hexdigest()[:12] + ".json")
 
