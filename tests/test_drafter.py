@@ -1,4 +1,6 @@
 """The drafter's block path: what it shares with the target, what it must never see, what it trains."""
+import json
+
 import pytest
 import torch
 
@@ -116,7 +118,8 @@ def test_fresh_calibration_changes_nothing(tiny):
 
 
 def test_save_load_roundtrip_and_base_mismatch(tiny, tmp_path):
-    """A saved drafter reloads bit-exactly (safetensors + JSON); a drafter for other base weights is refused."""
+    """A saved drafter reloads bit-exactly (safetensors + JSON); weights that disagree with the config's k and a
+    drafter for other base weights are refused with a named error."""
     drafter = Drafter.from_target(tiny, DrafterConfig(k=3, block_size=5, entry_layer=1))
     with torch.no_grad():
         drafter.calibration.down.weight.normal_()
@@ -125,6 +128,12 @@ def test_save_load_roundtrip_and_base_mismatch(tiny, tmp_path):
     loaded = load_drafter(tmp_path / "d", tiny)
     assert loaded.config == drafter.config
     assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), drafter.state_dict().values()))
+
+    meta = json.loads((tmp_path / "d" / "drafter.json").read_text())
+    meta["config"]["k"] = 2  # config edited by hand: weights of 3 tuned layers, config says 2
+    (tmp_path / "d" / "drafter.json").write_text(json.dumps(meta))
+    with pytest.raises(FlexDraftError, match="weights do not match its config"):
+        load_drafter(tmp_path / "d", tiny)
 
     make_tiny_hf("qwen3", tmp_path / "other", seed=1)
     other = load_model(tmp_path / "other", CPU32, with_tokenizer=False).model

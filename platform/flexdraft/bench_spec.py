@@ -1,8 +1,8 @@
 """Benchmark: speculative decoding modes against our own AR, side by side, on real GSM8K questions.
 
 Per batch size: AR, sequential, parallel (all branches), parallel with pruning and adaptive decode the same
-prompts (greedy, EOS respected: every mode emits exactly AR's tokens, checked), alternating in each repeat so
-machine noise hits all alike. Reports tau (tokens per target forward), tokens/s, the speed-up over AR, where
+prompts (greedy, EOS respected: every mode emits exactly AR's tokens, checked) in lockstep, one step of each
+engine in turn, so machine noise hits all alike. Reports tau (tokens per target forward), tokens/s, the speed-up over AR, where
 each mode's time goes (target / drafter / parallel forwards, the rest: LM head, sampling, bookkeeping), and
 a torch profile of one parallel step. Timing excludes model loading and the adaptive policy's one-time cost
 profile; it includes prefill.
@@ -65,46 +65,48 @@ def _engines(lm, drafter, prior, cfg: SpecBenchConfig, batch: int) -> dict[str, 
     return engines
 
 
-def _run(engine: Engine, prompts, params) -> dict:
-    """Generate; -> outputs, wall seconds, forward seconds by kind, target forwards, tau."""
-    t0 = time.perf_counter()
-    ids = [engine.add_request(p, params) for p in prompts]
-    forward: dict[str, float] = {}
-    modes: dict[str, int] = {}
-    while engine.has_work():
-        engine.step()
-        s = engine.last_stats
-        modes[s.mode] = modes.get(s.mode, 0) + 1
-        for k, v in s.forward_seconds.items():
-            forward[k] = forward.get(k, 0.0) + v
-    seconds = time.perf_counter() - t0
-    gens = [engine.result(i) for i in ids]
-    tokens = sum(len(g.token_ids) for g in gens)
-    forwards = sum(g.extra["forwards"] for g in gens)  # target forwards after each row's prefill
-    return {"outputs": [g.token_ids for g in gens], "seconds": seconds, "forward": forward, "tokens": tokens,
-            "tau": (tokens - len(gens)) / max(forwards, 1e-9), "steps": modes}
+def _lockstep(engines: dict[str, Engine], prompts, params) -> dict[str, dict]:
+    """Decode the same prompts with every engine, one step of each in turn, timing each engine's steps only:
+    noise on this shared machine comes in bursts of seconds, and interleaving at step granularity spreads
+    it over all modes alike. -> per engine: outputs, seconds, forward seconds by kind, tokens, tau, steps
+    per plan (mode/B<drafts>/m<branches>)."""
+    ids = {name: [e.add_request(p, params) for p in prompts] for name, e in engines.items()}
+    res = {name: {"seconds": 0.0, "forward": {}, "steps": {}} for name in engines}
+    while any(e.has_work() for e in engines.values()):
+        for name, engine in engines.items():
+            if not engine.has_work():
+                continue
+            t0 = time.perf_counter()
+            engine.step()
+            r, s = res[name], engine.last_stats
+            r["seconds"] += time.perf_counter() - t0
+            plan = s.mode + (f"/B{s.block}" if s.block else "") + (f"/m{s.branches:g}" if s.mode == "parallel" else "")
+            r["steps"][plan] = r["steps"].get(plan, 0) + 1
+            for k, v in s.forward_seconds.items():
+                r["forward"][k] = r["forward"].get(k, 0.0) + v
+    for name, engine in engines.items():
+        gens = [engine.result(i) for i in ids[name]]
+        tokens = sum(len(g.token_ids) for g in gens)
+        forwards = sum(g.extra["forwards"] for g in gens)  # target forwards after each row's prefill
+        res[name].update(outputs=[g.token_ids for g in gens], tokens=tokens,
+                         tau=(tokens - len(gens)) / max(forwards, 1))
+    return res
 
 
 def _cell(engines: dict[str, Engine], prompts, cfg: SpecBenchConfig) -> list[dict]:
-    params = SamplingParams(max_new_tokens=cfg.max_new_tokens)
-    warm = SamplingParams(max_new_tokens=8)
-    for engine in engines.values():
-        _run(engine, prompts, warm)
-    runs: dict[str, list[dict]] = {name: [] for name in engines}
-    for rep in range(cfg.repeats):
-        order = list(engines) if rep % 2 == 0 else list(engines)[::-1]
-        for name in order:
-            runs[name].append(_run(engines[name], prompts, params))
-    ar_time = statistics.median(r["seconds"] for r in runs["ar"])
+    _lockstep(engines, prompts, SamplingParams(max_new_tokens=8))  # warm-up
+    runs = [_lockstep(engines, prompts, SamplingParams(max_new_tokens=cfg.max_new_tokens))
+            for _ in range(cfg.repeats)]
+    ar_time = statistics.median(r["ar"]["seconds"] for r in runs)
     rows = []
-    for name, rs in runs.items():
-        seconds = statistics.median(r["seconds"] for r in rs)
-        last = rs[-1]
+    for name in engines:
+        seconds = statistics.median(r[name]["seconds"] for r in runs)
+        last = runs[-1][name]
         split = {k: v / last["seconds"] for k, v in last["forward"].items()}
         split["other"] = 1 - sum(split.values())
         rows.append({"batch": len(prompts), "mode": name, "tok_s": last["tokens"] / seconds,
                      "speedup": ar_time / seconds, "tau": last["tau"] if name != "ar" else 1.0,
-                     "identical": all(r["outputs"] == runs["ar"][0]["outputs"] for r in rs),
+                     "identical": all(r[name]["outputs"] == runs[0]["ar"]["outputs"] for r in runs),
                      "time_split": split, "steps": last["steps"]})
     return rows
 

@@ -247,5 +247,12 @@ def load_drafter(folder: str | Path, target: Transformer) -> Drafter:
         raise FlexDraftError(f"drafter {folder} was trained for other base weights ({meta['base_model']}, "
                              f"fingerprint {meta['base_fingerprint']}); the loaded model's is {fingerprint}")
     drafter = Drafter(target.args, from_dict(DrafterConfig, meta["config"], ".drafter"))
-    drafter.load_state_dict(load_file(Path(folder) / WEIGHTS))
+    state = load_file(Path(folder) / WEIGHTS)
+    want = {k: tuple(v.shape) for k, v in drafter.state_dict().items()}
+    have = {k: tuple(v.shape) for k, v in state.items()}
+    if want != have:
+        bad = sorted(set(want) ^ set(have)) or sorted(k for k in want if want[k] != have[k])
+        raise FlexDraftError(f"drafter {folder}: its weights do not match its config {meta['config']} "
+                             f"(k={drafter.config.k} tuned layers expected; first mismatch: {bad[0]})")
+    drafter.load_state_dict(state)
     return drafter.to(device=target.device, dtype=target.dtype)
