@@ -143,14 +143,20 @@ class AcceptanceModel:
 
 class CostModel:
     """Seconds of a forward of each kind ("target": AR or verify, "draft": a sequential drafter pass,
-    "parallel": verify + branches) as a function of the tokens it carries, on this device: seeded by
-    `Engine.profile` and refined by every timed forward (exponential average per log2-spaced size bucket,
-    linear interpolation between buckets)."""
+    "parallel": verify + branches) as a function of the tokens it carries, on this device.
+
+    `Engine.profile` measures each kind over a grid of sizes (log2-spaced buckets, linear interpolation
+    between them): these fix the *relative* costs the policy compares. Timed forwards while serving only
+    move one common `scale` (how loaded the machine is now), never one kind alone: a burst of noise during
+    a few AR steps must not make the policy lock onto a mode it then never re-measures against. Without a
+    profile, timed forwards fill the buckets directly."""
 
     KINDS = ("target", "draft", "parallel")
 
     def __init__(self):
         self.points: dict[str, dict[int, float]] = {k: {} for k in self.KINDS}
+        self.profiled = False
+        self.scale = 1.0
         self.step_overhead = 0.0  # seconds per step outside the forwards (acceptance, sampling, bookkeeping)
 
     def record_step(self, seconds: float, forward_seconds: float) -> None:
@@ -160,7 +166,14 @@ class CostModel:
     def _bucket(tokens: int) -> int:
         return round(2 * math.log2(max(tokens, 1)))
 
+    def set_profile(self, points: dict[str, dict[int, float]]) -> None:
+        self.points = {k: dict(points.get(k, {})) for k in self.KINDS}
+        self.profiled, self.scale = True, 1.0
+
     def record(self, kind: str, tokens: int, seconds: float) -> None:
+        if self.profiled:
+            self.scale = 0.95 * self.scale + 0.05 * seconds / max(self._interpolate(kind, tokens), 1e-9)
+            return
         pts, b = self.points[kind], self._bucket(tokens)
         pts[b] = seconds if b not in pts else 0.8 * pts[b] + 0.2 * seconds
 
@@ -168,6 +181,9 @@ class CostModel:
         return bool(self.points[kind])
 
     def seconds(self, kind: str, tokens: int) -> float:
+        return self.scale * self._interpolate(kind, tokens)
+
+    def _interpolate(self, kind: str, tokens: int) -> float:
         pts, b = self.points[kind], self._bucket(tokens)
         if b in pts:
             return pts[b]
@@ -367,7 +383,8 @@ class Engine:
     @torch.inference_mode()
     def profile(self, context: int = 256, repeats: int = 2) -> dict:
         """Time each kind of forward over the sizes the adaptive policy weighs (rows at `context` cached
-        tokens), seeding the cost model; must run while no request is active. Returns {kind: {tokens: s}}."""
+        tokens), seeding the cost model; must run while no request is active. Returns {kind: {tokens: s}}
+        (tokens rounded to the half-octave buckets the model keeps)."""
         if self.slots:
             raise FlexDraftError("profile() needs an idle engine (no active rows)")
         if self.drafter is None:
@@ -382,24 +399,24 @@ class Engine:
         shapes += [("draft", n, T, 0) for n in (1, 2, 4, 8, 16, 32, 64) if n <= R for T in blocks]
         S = min(self.config.switch_batch, R)
         shapes += [("parallel", n, B + 1, m) for n in (1, 2, 4) if n <= max(S, 1) for m in (1, 2, B + 1)]
-        result: dict = {k: {} for k in CostModel.KINDS}
+        shapes += [("parallel", 1, T, 1) for T in blocks[:-1]]  # the smallest verify + branch forwards
+        points: dict = {k: {} for k in CostModel.KINDS}
         for kind, n, T, m in shapes:
             rows = torch.arange(n, device=dev)
             pos = self.cache.lens[:n, None] + torch.arange(T, device=dev)
             tokens = torch.zeros(n, T, dtype=torch.long, device=dev)
-            for rep in range(repeats + 1):  # the first run warms up
+            anchors = torch.arange(m, device=dev).expand(n, m)
+            runs = {"target": lambda: self._target_logits(tokens, pos, self.cache.rows(0, n)),
+                    "draft": lambda: self._draft_forward(rows, T - 1),
+                    "parallel": lambda: self._parallel_logits(tokens, pos, self.cache.rows(0, n), anchors)}
+            times = []
+            for _ in range(repeats + 1):  # the first run warms up; the fastest of the rest counts (noise only adds)
                 stats = StepStats("profile", n)
-                if kind == "target":
-                    self._timed(stats, kind, 0, lambda: self._target_logits(tokens, pos, self.cache.rows(0, n)))
-                elif kind == "draft":
-                    self._timed(stats, kind, 0, lambda: self._draft_forward(rows, T - 1))
-                else:
-                    anchors = torch.arange(m, device=dev).expand(n, m)
-                    self._timed(stats, kind, 0, lambda: self._parallel_logits(tokens, pos, self.cache.rows(0, n),
-                                                                               anchors))
-                if rep:
-                    self.costs.record(kind, n * T * (1 + m), stats.forward_seconds[kind])
-            result[kind][n * T * (1 + m)] = self.costs.seconds(kind, n * T * (1 + m))
+                self._timed(stats, kind, 0, runs[kind])
+                times.append(stats.forward_seconds[kind])
+            points[kind][CostModel._bucket(n * T * (1 + m))] = min(times[1:])
+        self.costs.set_profile(points)
+        result = {k: {2 ** (b / 2): t for b, t in sorted(pts.items())} for k, pts in points.items()}
         self.cache.lens.zero_()
         return result
 

@@ -19,7 +19,7 @@ from flexdraft.models.loading import LoadedModel, load_model
 from flexdraft.pipeline import PipelineConfig
 
 
-PROFILE_FORMAT = 3  # bump when Engine.profile measures other shapes: cached profiles are then redone
+PROFILE_FORMAT = 4  # bump when Engine.profile measures other shapes: cached profiles are then redone
 
 
 def default_drafter_dir() -> Path:
@@ -63,8 +63,7 @@ def seed_costs(engine: Engine, log=lambda s: print(s, file=sys.stderr)) -> None:
     path = profile_file(engine.target, engine.drafter, engine.config)
     if path.is_file():
         points = json.loads(path.read_text())
-        for kind in CostModel.KINDS:
-            engine.costs.points[kind] = {int(b): t for b, t in points[kind].items()}
+        engine.costs.set_profile({k: {int(b): t for b, t in points[k].items()} for k in CostModel.KINDS})
         return
     log(f"[profiling forwards for the adaptive policy; cached in {path}]")
     engine.profile()
