@@ -111,21 +111,27 @@ def _cell(engines: dict[str, Engine], prompts, cfg: SpecBenchConfig) -> list[dic
     return rows
 
 
-def step_profile(engine: Engine, prompt: list[int], rows: int = 10) -> str:
-    """torch.profiler table of one decoding step (the step after the first verify) of `engine`."""
+def step_profile(engine: Engine, prompt: list[int], steps: int = 5, rows: int = 10) -> str:
+    """torch.profiler table over `steps` decoding steps of `engine` (after the first two), totals."""
     from torch.profiler import ProfilerActivity, profile
 
     rid = engine.add_request(prompt, SamplingParams(max_new_tokens=64))
     engine.step()
     engine.step()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.target.device.type == "cuda" else [])
+    seconds, forward, plans = 0.0, {}, set()
     with profile(activities=activities) as prof:
-        engine.step()
+        for _ in range(steps):
+            engine.step()
+            s = engine.last_stats
+            seconds += s.seconds
+            plans.add(f"{s.mode}/B{s.block}/m{s.branches:g}")
+            for k, v in s.forward_seconds.items():
+                forward[k] = forward.get(k, 0.0) + v
     engine.abort(rid)
-    s = engine.last_stats
-    head = (f"one {s.mode} step, {s.rows} row(s), {s.block} drafts, {s.branches:g} branches: "
-            f"{s.seconds * 1000:.1f} ms, forwards " +
-            ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in s.forward_seconds.items()))
+    head = (f"{steps} steps ({', '.join(sorted(plans))}), 1 row: {seconds / steps * 1000:.1f} ms per step, "
+            "forwards " + ", ".join(f"{k} {v / steps * 1000:.1f} ms" for k, v in forward.items()) +
+            " per step (profiler overhead included)")
     return head + "\n" + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
 
 
