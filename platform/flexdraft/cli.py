@@ -50,9 +50,11 @@ def cmd_generate(args) -> None:
         prompts = read_prompts_file(args.prompts_file, tok)
     check_prompts(prompts, lm.model.args.max_position_embeddings, lm.model.args.vocab_size)  # all, up front
     for i, p in enumerate(prompts):  # the engine's own check names the limit; here it also names the prompt
-        if len(p) + params.max_new_tokens + engine.B + 1 > cfg.max_len:
+        need = engine.slots_needed(len(p), params.max_new_tokens)
+        if need > cfg.max_len:
             raise FlexDraftError(f"prompt {i}: {len(p)} tokens + --max-new-tokens {params.max_new_tokens} + "
-                                 f"{engine.B + 1} verify slots exceed --max-len {cfg.max_len}")
+                                 f"{need - len(p) - params.max_new_tokens} verify and branch slots exceed "
+                                 f"--max-len {cfg.max_len}")
     print(note, file=sys.stderr)
     seed_costs(engine)
     gens = engine.generate(prompts, params)

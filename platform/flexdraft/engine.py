@@ -251,16 +251,22 @@ class Engine:
         bad = [t for t in prompt if not 0 <= t < V]
         if bad:
             raise FlexDraftError(f"prompt has token id {bad[0]} outside the vocabulary of {V}")
-        need = len(prompt) + params.max_new_tokens + self.B + 1
+        need = self.slots_needed(len(prompt), params.max_new_tokens)
         if need > self.config.max_len:
             raise FlexDraftError(f"prompt of {len(prompt)} tokens + max_new_tokens {params.max_new_tokens} + "
-                                 f"{self.B + 1} verify slots = {need} exceeds the cache of {self.config.max_len} "
-                                 "slots per row (engine max_len)")
+                                 f"{need - len(prompt) - params.max_new_tokens} verify and branch slots = {need} "
+                                 f"exceeds the cache of {self.config.max_len} slots per row (engine max_len)")
         req = _Request(next(self._ids), prompt, params, make_generator(params, self.target.device))
         if not params.greedy and self.q is None and self.B:
             self.q = torch.zeros(self.config.max_batch, self.B, V, device=self.target.device)
         self.waiting.append(req)
         return req.id
+
+    def slots_needed(self, prompt_len: int, max_new_tokens: int) -> int:
+        """Cache slots a request needs: its tokens, the verify block and, when parallel steps may run, the
+        branch tokens' scratch past the verify block ((B+1)^2 at most)."""
+        branches = (self.B + 1) ** 2 if self.config.mode in ("parallel", "adaptive") else 0
+        return prompt_len + max_new_tokens + self.B + 1 + branches
 
     def abort(self, request_id: int) -> None:
         """Drop a waiting or running request; the other rows are untouched."""
@@ -390,7 +396,7 @@ class Engine:
         if self.drafter is None:
             return {}
         R, B, dev = self.config.max_batch, self.B, self.target.device
-        ctx = min(context, self.config.max_len - 2 * (B + 1))
+        ctx = min(context, self.config.max_len - (B + 1) * (B + 2))  # room for verify + all branches
         self.cache.lens.fill_(ctx)
         self.bonus.fill_(0)
         self.drafts.fill_(0)
@@ -670,9 +676,12 @@ def parallel_forward(target: Transformer, drafter: Drafter, tokens: torch.Tensor
     base = pos[:, :1] + anchors  # [n, m]: position of verify token a (the branch's last visible one)
     bpos = (base[:, :, None] + 1 + torch.arange(T, device=dev)).reshape(n, N)  # [n, N]
     block_of = torch.arange(m, device=dev).repeat_interleave(T).expand(n, -1)
+    scratch = (span + torch.arange(N, device=dev)).expand(n, N)  # [n, N] cache slots of the branch tokens
     same = block_of[:, :, None] == block_of[:, None, :]  # [n, N, N]
     in_block = {"causal": same & (bpos[:, None, :] <= bpos[:, :, None]), "bidirectional": same}
-    # one attention per layer for clean and branch queries over [cached slots ; branch keys]:
+    # branch keys/values go to scratch slots span .. span+N-1, past every row's verify tokens (beyond the rows'
+    # lengths: never visible to a later step, overwritten by later writes), so that one attention per layer
+    # serves clean and branch queries over cache[:span + N] without copying the prefix:
     # clean rows see the cache causally and no branch key; branch rows see their prefix and their block
     clean = torch.cat(((torch.arange(span, device=dev) <= pos[..., None]), pos.new_zeros(n, T, N, dtype=torch.bool)), -1)
     ctx = torch.arange(span, device=dev) <= base.repeat_interleave(T, dim=1)[:, :, None]  # [n, N, span]
@@ -703,9 +712,8 @@ def parallel_forward(target: Transformer, drafter: Drafter, tokens: torch.Tensor
             k, kb = k.split((T, N), dim=2)
             v, vb = v.split((T, N), dim=2)
         cache.write(i, pos, k, v)
-        keys = torch.cat((cache.k[i][:, :, :span], kb), dim=2)  # [n, Hkv, span + N, D]
-        values = torch.cat((cache.v[i][:, :, :span], vb), dim=2)
-        y = attend(q, keys, values, masks[i >= s])  # [n, H, T + N, D]
+        cache.write(i, scratch, kb, vb)
+        y = attend(q, cache.k[i][:, :, :span + N], cache.v[i][:, :, :span + N], masks[i >= s])  # [n, H, T + N, D]
         if i >= s:
             out = torch.cat((attn.output(y[:, :, :T]), tuned.output(y[:, :, T:])), dim=1)
         else:
