@@ -89,7 +89,9 @@ def _lockstep(engines: dict[str, Engine], prompts, params) -> dict[str, dict]:
         tokens = sum(len(g.token_ids) for g in gens)
         forwards = sum(g.extra["forwards"] for g in gens)  # target forwards after each row's prefill
         res[name].update(outputs=[g.token_ids for g in gens], tokens=tokens,
-                         tau=(tokens - len(gens)) / max(forwards, 1))
+                         tau=(tokens - len(gens)) / max(forwards, 1),
+                         misses=engine.totals["pruned_misses"] / max(engine.totals["parallel_rows"], 1))
+        engine.totals.update(pruned_misses=0, parallel_rows=0)
     return res
 
 
@@ -107,7 +109,7 @@ def _cell(engines: dict[str, Engine], prompts, cfg: SpecBenchConfig) -> list[dic
         rows.append({"batch": len(prompts), "mode": name, "tok_s": last["tokens"] / seconds,
                      "speedup": ar_time / seconds, "tau": last["tau"] if name != "ar" else 1.0,
                      "identical": all(r[name]["outputs"] == runs[0]["ar"]["outputs"] for r in runs),
-                     "time_split": split, "steps": last["steps"]})
+                     "time_split": split, "steps": last["steps"], "pruned_misses": last["misses"]})
     return rows
 
 
@@ -174,15 +176,16 @@ def _split(row: dict) -> str:
 
 def _fmt(r: dict) -> str:
     return (f"batch={r['batch']:>2} {r['mode']:>16}: {r['tok_s']:7.1f} tok/s, x{r['speedup']:.2f} over AR, "
-            f"tau {r['tau']:.2f}, identical to AR: {r['identical']}, time: {_split(r)}, steps: {r['steps']}")
+            f"tau {r['tau']:.2f}, identical to AR: {r['identical']}, pruned misses {r['pruned_misses']:.0%}, "
+            f"time: {_split(r)}, steps: {r['steps']}")
 
 
 def markdown_table(rows: list[dict], cfg: SpecBenchConfig) -> str:
     lines = [f"Speculative decoding vs our AR, {cfg.dtype}, GSM8K chat prompts, greedy, up to {cfg.max_new_tokens} "
              f"new tokens per row, median of {cfg.repeats}; pruning keeps {cfg.top_m} branches.", "",
-             "| batch | mode | tok/s | speed-up | tau | identical to AR | where the time goes |",
-             "|---|---|---|---|---|---|---|"]
+             "| batch | mode | tok/s | speed-up | tau | identical to AR | pruned misses | where the time goes |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['batch']} | {r['mode']} | {r['tok_s']:.1f} | {r['speedup']:.2f}x | {r['tau']:.2f} | "
-                     f"{'yes' if r['identical'] else 'NO'} | {_split(r)} |")
+                     f"{'yes' if r['identical'] else 'NO'} | {r['pruned_misses']:.0%} | {_split(r)} |")
     return "\n".join(lines)

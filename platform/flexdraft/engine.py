@@ -45,7 +45,7 @@ class EngineConfig:
     calibrate: bool = True  # parallel: correct the taken branch with the now-known bonus
     cost_model: bool = True  # adaptive: per step, pick AR / sequential / parallel and Bv by measured cost
     max_batch: int = 16  # rows decoded together; further requests wait
-    max_len: int = 0  # cache slots per row (prompt + max_new_tokens + block_size + 1 must fit); 0 = min(2048, context)
+    max_len: int = 0  # cache slots per row (see Engine.slots_needed); 0 = min(2048, context)
 
     def check(self, drafter: Drafter | None, context: int) -> None:
         if self.mode not in MODES:
@@ -53,7 +53,7 @@ class EngineConfig:
         if self.mode != "ar" and drafter is None:
             raise FlexDraftError(f"mode {self.mode} needs a drafter (mode ar does not)")
         if drafter is not None and not 0 <= self.block_size <= drafter.config.block_size:
-            raise FlexDraftError(f"block_size={self.block_size} must be between 1 and the drafter's block size "
+            raise FlexDraftError(f"block_size={self.block_size} must be at most the drafter's block size "
                                  f"{drafter.config.block_size} (0 = the drafter's)")
         if self.top_m < 0:
             raise FlexDraftError(f"top_m must be >= 0 (0 = no cap), got {self.top_m}")
@@ -80,7 +80,7 @@ class StepStats:
     pruned_misses: int = 0  # parallel: rows whose real accepted length fell on a pruned branch
     accepted: list[int] = field(default_factory=list)  # accepted drafts per verified row
     seconds: float = 0.0
-    forward_seconds: dict = field(default_factory=dict)  # prefill / draft / verify
+    forward_seconds: dict = field(default_factory=dict)  # prefill / draft / target / parallel
 
 
 @dataclass
@@ -276,7 +276,7 @@ class Engine:
                 req.finish_reason = "abort"
                 self.finished[req.id] = req
                 return
-        for row, req in enumerate(self.slots):
+        for req in self.slots:
             if req.id == request_id:
                 req.finish_reason = "abort"
                 self._retire()
@@ -284,7 +284,8 @@ class Engine:
         raise FlexDraftError(f"no running or waiting request with id {request_id}")
 
     def result(self, request_id: int) -> Generation:
-        """The finished request's generation (and forget it)."""
+        """The finished (or aborted) request's generation; the engine forgets it (a server calls this once
+        per request it added)."""
         if request_id not in self.finished:
             raise FlexDraftError(f"request {request_id} is not finished (or unknown)")
         req = self.finished.pop(request_id)
