@@ -474,8 +474,12 @@ class Engine:
     def _set_drafts(self, rows: torch.Tensor, logits: torch.Tensor, from_branch: bool = False) -> None:
         """Draft logits [r, Bv, V] of rows -> drafts (argmax, or drawn from q for sampled rows) + confidences."""
         Bv = logits.shape[1]
-        probs = logits.float().softmax(-1)
-        conf, drafts = probs.max(-1)  # [r, Bv]
+        cfg = self.config
+        if cfg.mode == "parallel" or (cfg.mode == "adaptive" and len(self.slots) <= cfg.switch_batch):
+            conf, drafts = logits.float().softmax(-1).max(-1)  # [r, Bv]: pruning weighs the confidences
+        else:  # no parallel step can come next at this batch size: skip the softmax over the vocabulary
+            drafts = logits.float().argmax(-1)
+            conf = torch.ones(drafts.shape, device=drafts.device)
         for i, row in enumerate(rows.tolist()):
             req = self.slots[row]
             if not req.params.greedy:
