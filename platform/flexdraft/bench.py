@@ -129,12 +129,16 @@ def _fmt_row(r: dict) -> str:
             f"same tokens {r['same_tokens']:.0%}")
 
 
-def markdown_table(rows: list[dict], cfg: ArBenchConfig) -> str:
-    lines = [f"AR generation, {cfg.max_new_tokens} new tokens per row (EOS ignored), GSM8K chat prompts, "
-             f"median of {cfg.repeats}; prefill included, loading excluded.", "",
-             "| dtype | threads | batch | ours tok/s | transformers tok/s | ratio | identical rows |",
-             "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['dtype']} | {r['threads']} | {r['batch']} | {r['ours_tok_s']:.1f} | "
-                     f"{r['hf_tok_s']:.1f} | {r['ratio']:.2f}x | {r['same_tokens']:.0%} |")
+def markdown(caption: str, header: list[str], cells: list[list]) -> str:
+    """A caption line, then a Markdown table."""
+    lines = [caption, "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in cells]
     return "\n".join(lines)
+
+
+def markdown_table(rows: list[dict], cfg: ArBenchConfig) -> str:
+    return markdown(f"AR generation, {cfg.max_new_tokens} new tokens per row (EOS ignored), GSM8K chat prompts, "
+                    f"median of {cfg.repeats}; prefill included, loading excluded.",
+                    ["dtype", "threads", "batch", "ours tok/s", "transformers tok/s", "ratio", "identical rows"],
+                    [[r["dtype"], r["threads"], r["batch"], f"{r['ours_tok_s']:.1f}", f"{r['hf_tok_s']:.1f}",
+                      f"{r['ratio']:.2f}x", f"{r['same_tokens']:.0%}"] for r in rows])

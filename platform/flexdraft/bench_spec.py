@@ -19,6 +19,7 @@ import torch
 from flexdraft.config import RuntimeConfig
 from flexdraft.data import chat_ids, gsm8k_questions
 from flexdraft.engine import Engine, EngineConfig
+from flexdraft.bench import markdown
 from flexdraft.errors import FlexDraftError
 from flexdraft.generate import SamplingParams
 from flexdraft.models.loading import load_model
@@ -181,11 +182,10 @@ def _fmt(r: dict) -> str:
 
 
 def markdown_table(rows: list[dict], cfg: SpecBenchConfig) -> str:
-    lines = [f"Speculative decoding vs our AR, {cfg.dtype}, GSM8K chat prompts, greedy, up to {cfg.max_new_tokens} "
-             f"new tokens per row, median of {cfg.repeats}; pruning keeps {cfg.top_m} branches.", "",
-             "| batch | mode | tok/s | speed-up | tau | identical to AR | pruned misses | where the time goes |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['batch']} | {r['mode']} | {r['tok_s']:.1f} | {r['speedup']:.2f}x | {r['tau']:.2f} | "
-                     f"{'yes' if r['identical'] else 'NO'} | {r['pruned_misses']:.0%} | {_split(r)} |")
-    return "\n".join(lines)
+    return markdown(f"Speculative decoding vs our AR, {cfg.dtype}, GSM8K chat prompts, greedy, up to "
+                    f"{cfg.max_new_tokens} new tokens per row, median of {cfg.repeats}; pruning keeps {cfg.top_m} "
+                    "branches.",
+                    ["batch", "mode", "tok/s", "speed-up", "tau", "identical to AR", "pruned misses",
+                     "where the time goes"],
+                    [[r["batch"], r["mode"], f"{r['tok_s']:.1f}", f"{r['speedup']:.2f}x", f"{r['tau']:.2f}",
+                      "yes" if r["identical"] else "NO", f"{r['pruned_misses']:.0%}", _split(r)] for r in rows])
