@@ -119,15 +119,15 @@ class Drafter(nn.Module):
             masks = [grouped_bias(m, group) for m in masks]
         return masks
 
-    def block_layer(self, target: Transformer, layer_idx: int, x: torch.Tensor, cos, sin,
-                    ctx_k: torch.Tensor, ctx_v: torch.Tensor, masks: list[torch.Tensor]) -> torch.Tensor:
-        """One layer for block slots x [R, N, d] reading context keys/values [R, Hkv, S, D]; -> [R, N, d]."""
+    def block_layer(self, target: Transformer, layer_idx: int, x: torch.Tensor, cos, sin, context,
+                    masks: list[torch.Tensor]) -> torch.Tensor:
+        """One layer for block slots x [R, N, d] -> [R, N, d]. context(k, v) -> the keys/values [R, Hkv, S', D]
+        the slots attend over, given the block's own [R, Hkv, N, D]."""
         layer = target.layers[layer_idx]
         is_tuned = layer_idx >= self.first_tuned
         attn = self.attn[layer_idx - self.first_tuned] if is_tuned else layer.self_attn
         q, k, v = attn.project(layer.input_layernorm(x), cos, sin)
-        keys = torch.cat((ctx_k, k), dim=2)  # [R, Hkv, S + N, D]
-        values = torch.cat((ctx_v, v), dim=2)
+        keys, values = context(k, v)
         x = x + attn.output(attend(q, keys, values, masks[is_tuned]))
         return x + layer.mlp(layer.post_attention_layernorm(x))
 
@@ -147,7 +147,10 @@ class Drafter(nn.Module):
             ctx_k, ctx_v = cache.k[i][:, :, :S], cache.v[i][:, :, :S]
             if rows is not None:
                 ctx_k, ctx_v = ctx_k[rows], ctx_v[rows]
-            x = self.block_layer(target, i, x, cos, sin, ctx_k, ctx_v, masks)
+            def after_prefix(k, v, ctx_k=ctx_k, ctx_v=ctx_v):  # -> [R, Hkv, S + N, D]
+                return torch.cat((ctx_k, k), dim=2), torch.cat((ctx_v, v), dim=2)
+
+            x = self.block_layer(target, i, x, cos, sin, after_prefix, masks)
         return target.norm(x)
 
     def forward_in_cache(self, target: Transformer, inputs: torch.Tensor, cache: KVCache) -> torch.Tensor:
@@ -170,13 +173,11 @@ class Drafter(nn.Module):
         x = inputs
         cos, sin = target.rope(pos, x.dtype)
         for i in range(self.config.entry_layer, self.args.n_layers):
-            layer = target.layers[i]
-            attn = self.attn[i - self.first_tuned] if i >= self.first_tuned else layer.self_attn
-            q, k, v = attn.project(layer.input_layernorm(x), cos, sin)
-            cache.write(i, pos, k, v)
-            y = attend(q, cache.k[i][:, :, :span], cache.v[i][:, :, :span], masks[i >= self.first_tuned])
-            x = x + attn.output(y)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            def in_cache(k, v, i=i):
+                cache.write(i, pos, k, v)
+                return cache.k[i][:, :, :span], cache.v[i][:, :, :span]
+
+            x = self.block_layer(target, i, x, cos, sin, in_cache, masks)
         return target.norm(x)
 
     def slot_inputs(self, target: Transformer, bonus: torch.Tensor, bonus_known: torch.Tensor) -> torch.Tensor:
