@@ -15,7 +15,7 @@ export RAY_USAGE_STATS_ENABLED := 0
 export RAY_AUTH_MODE := disabled
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test bench bench-spec clean-venv
+.PHONY: install demo test bench bench-ar clean-venv
 
 install: $(STAMP)
 
@@ -36,10 +36,10 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
-	$(VENV)/bin/flexdraft bench-ar
+	$(VENV)/bin/flexdraft bench
 
-bench-spec: $(STAMP)
-	$(VENV)/bin/flexdraft bench-spec
+bench-ar: $(STAMP)
+	$(VENV)/bin/flexdraft bench-ar
 
 clean-venv:
 	rm -rf $(VENV)

@@ -49,17 +49,33 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def _hf_generate(hf, prompts: list[list[int]], max_new: int, pad_id: int) -> list[list[int]]:
-    """transformers generate, greedy, left-padded batch, EOS ignored; returns the new token ids per row."""
+def load_hf(lm, runtime: RuntimeConfig):
+    """The same weights as `lm` as a `transformers` model (the peer of every comparison)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(lm.folder, dtype=runtime.torch_dtype()).to(
+        runtime.torch_device()).eval()
+
+
+def hf_generate(hf, prompts: list[list[int]], max_new: int, pad_id: int, eos: list[int] | None = None,
+                lookup: int = 0) -> list[list[int]]:
+    """transformers generate, greedy, one left-padded batch -> the new token ids per row. eos: stop rows at
+    these tokens (None: EOS ignored, every row gets max_new). lookup > 0: prompt-lookup decoding with that
+    many candidate tokens (transformers supports it at batch 1 only)."""
     T = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), T), pad_id, dtype=torch.long)
     att = torch.zeros_like(ids)
     for i, p in enumerate(prompts):
         ids[i, T - len(p):] = torch.tensor(p)
         att[i, T - len(p):] = 1
-    out = hf.generate(input_ids=ids.to(hf.device), attention_mask=att.to(hf.device), max_new_tokens=max_new,
-                      do_sample=False, pad_token_id=pad_id)
-    return out[:, T:].tolist()
+    extra = {"prompt_lookup_num_tokens": lookup} if lookup else {}
+    with torch.inference_mode():
+        out = hf.generate(input_ids=ids.to(hf.device), attention_mask=att.to(hf.device), max_new_tokens=max_new,
+                          do_sample=False, pad_token_id=pad_id, eos_token_id=eos, **extra)
+    rows = out[:, T:].tolist()
+    if eos:  # cut after the first EOS (what follows is padding)
+        rows = [next((r[:i + 1] for i, t in enumerate(r) if t in eos), r) for r in rows]
+    return rows
 
 
 def _side_by_side(lm, hf, prompts: list[list[int]], cfg: ArBenchConfig, pad_id: int) -> dict:
@@ -68,7 +84,7 @@ def _side_by_side(lm, hf, prompts: list[list[int]], cfg: ArBenchConfig, pad_id: 
     outputs = {}
     runs = {
         "ours": lambda: outputs.__setitem__("ours", [g.token_ids for g in generate(lm.model, prompts, params)]),
-        "hf": lambda: outputs.__setitem__("hf", _hf_generate(hf, prompts, cfg.max_new_tokens, pad_id)),
+        "hf": lambda: outputs.__setitem__("hf", hf_generate(hf, prompts, cfg.max_new_tokens, pad_id)),
     }
     times = {name: [] for name in runs}
     with torch.inference_mode():
@@ -91,7 +107,6 @@ def _side_by_side(lm, hf, prompts: list[list[int]], cfg: ArBenchConfig, pad_id: 
 
 def run_ar_benchmark(cfg: ArBenchConfig) -> list[dict]:
     import mlflow
-    from transformers import AutoModelForCausalLM
 
     from flexdraft.tracking import start_run
 
@@ -101,8 +116,7 @@ def run_ar_benchmark(cfg: ArBenchConfig) -> list[dict]:
             for dtype in cfg.dtypes:
                 runtime = RuntimeConfig(device=cfg.device, dtype=dtype, threads=threads)
                 lm = load_model(cfg.model, runtime)
-                hf = AutoModelForCausalLM.from_pretrained(lm.folder, dtype=runtime.torch_dtype()).to(
-                    runtime.torch_device()).eval()
+                hf = load_hf(lm, runtime)
                 hf.generation_config.eos_token_id = None  # EOS ignored, as on our side: same work, same tokens
                 pad = lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else 0
                 questions = gsm8k_questions(max(cfg.batch_sizes))

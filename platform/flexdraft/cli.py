@@ -1,11 +1,14 @@
-"""`flexdraft` command line: generate, bench-ar, demo."""
+"""`flexdraft` command line: generate, bench, bench-ar, the pipeline stages, demo."""
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from flexdraft.errors import FlexDraftError
+
+FULL_BENCH_CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "bench" / "full.yaml")
 
 
 def _runtime(args):
@@ -86,19 +89,26 @@ def cmd_bench_ar(args) -> None:
     run_ar_benchmark(cfg)
 
 
-def cmd_bench_spec(args) -> None:
-    from flexdraft.bench_spec import SpecBenchConfig, run_spec_benchmark
+def cmd_bench(args) -> None:
+    from flexdraft.harness import HarnessConfig, load_harness_config, run_harness
 
-    run_spec_benchmark(SpecBenchConfig(model=args.model, drafter=args.drafter or "", device=args.device,
-                                       dtype=args.dtype, threads=args.threads, batch_sizes=args.batch_sizes,
-                                       max_new_tokens=args.max_new_tokens, repeats=args.repeats, top_m=args.top_m,
-                                       switch_batch=args.switch_batch))
+    if args.full and args.config:
+        raise FlexDraftError("give --config FILE or --full, not both")
+    path = FULL_BENCH_CONFIG if args.full else args.config
+    cfg = load_harness_config(path) if path else HarnessConfig()
+    for key in ("drafter", "device", "dtype", "output_dir"):
+        if getattr(args, key) is not None:
+            setattr(cfg, key, getattr(args, key))
+    run_harness(cfg)
 
 
 def cmd_demo(args) -> None:
     from flexdraft.demo import run_demo
+    from flexdraft.harness import load_harness_config
+    from flexdraft.pipeline import load_pipeline_config
 
-    run_demo(n_questions=args.questions, max_new_tokens=args.max_new_tokens)
+    run_demo(load_pipeline_config(args.config) if args.config else None,
+             load_harness_config(args.bench_config) if args.bench_config else None)
 
 
 def cmd_job(args) -> None:
@@ -145,18 +155,14 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=int, default=3)
     b.set_defaults(func=cmd_bench_ar)
 
-    b = sub.add_parser("bench-spec", help="speculative modes vs our AR on GSM8K, side by side")
-    b.add_argument("--model", default="smollm2")
-    b.add_argument("--drafter", help="drafter folder or 'init' (default: the default pipeline's)")
-    b.add_argument("--device", default="auto")
-    b.add_argument("--dtype", default="bfloat16")
-    b.add_argument("--threads", type=int, default=0, help="0 = one per core")
-    b.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
-    b.add_argument("--max-new-tokens", type=int, default=48)
-    b.add_argument("--repeats", type=int, default=1)
-    b.add_argument("--top-m", type=int, default=2, help="branches kept by the pruned parallel mode")
-    b.add_argument("--switch-batch", type=int, default=4)
-    b.set_defaults(func=cmd_bench_spec)
+    b = sub.add_parser("bench", help="datasets x batch sizes x methods (baselines, FlexDraft modes, ablations)")
+    b.add_argument("--config", help="harness YAML (default: the embedded defaults, configs/bench/default.yaml)")
+    b.add_argument("--full", action="store_true", help=f"the bigger run of {FULL_BENCH_CONFIG}")
+    b.add_argument("--drafter", help="drafter folder or 'init' (default: the config's, else the default pipeline's)")
+    b.add_argument("--device", help="override the config's device")
+    b.add_argument("--dtype", help="override the config's dtype")
+    b.add_argument("--output-dir", help="where results.md/json and plots go (default $FLEXDRAFT_HOME/bench/<time>)")
+    b.set_defaults(func=cmd_bench)
 
     for name, stage, help_ in [("distill", "distill", "self-distillation data (Ray actors)"),
                                ("tune-attention", "attention", "attention tuning (Ray Train + DeepSpeed)"),
@@ -166,9 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
         j.add_argument("--config", default="configs/smollm2.yaml", help="pipeline YAML")
         j.set_defaults(func=cmd_job, stage=stage)
 
-    d = sub.add_parser("demo", help="the main job on embedded defaults")
-    d.add_argument("--questions", type=int, default=4)
-    d.add_argument("--max-new-tokens", type=int, default=128)
+    d = sub.add_parser("demo", help="the main job: distill, attention tuning, calibration, a quick benchmark")
+    d.add_argument("--config", help="pipeline YAML (default: the embedded defaults = configs/smollm2.yaml)")
+    d.add_argument("--bench-config", help="harness YAML (default: a short run of the main methods)")
     d.set_defaults(func=cmd_demo)
     return parser
 

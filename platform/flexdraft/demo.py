@@ -1,45 +1,49 @@
-"""The main job on embedded defaults (`make demo`): for now, the target answers real GSM8K questions with
-batched AR generation, reports tokens/s and logs the run to MLflow. Later stages (distill, attention tuning,
-calibration, speculative benchmark) join here."""
+"""The main job (`make demo`): the whole pipeline on the embedded defaults, then a quick benchmark.
+
+distill (Ray actors) -> attention tuning -> calibration (Ray Train + DeepSpeed), exactly what
+`flexdraft pipeline --config configs/smollm2.yaml` runs, each stage reused when it finished earlier with the
+same config; then the harness on the three datasets with the main methods, and where to look at it all.
+"""
 from __future__ import annotations
 
 import time
 
-import torch
+from flexdraft.harness import HarnessConfig, run_harness, summary_table
+from flexdraft.pipeline import PipelineConfig
+from flexdraft.tracking import tracking_uri
 
-from flexdraft.config import RuntimeConfig
-from flexdraft.data import chat_ids, gsm8k_questions
-from flexdraft.generate import SamplingParams, generate
-from flexdraft.models.loading import BUNDLED, gguf_cache_folder, bundled_gguf, load_model
-from flexdraft.tracking import start_run, tracking_uri
+# A short run of the harness (about 5 minutes on the 2-core machine); `flexdraft bench` runs every method.
+DEMO_BENCH = dict(batch_sizes=[1, 4, 16], samples=4, max_new_tokens=48, profile=False,
+                  methods=["ar", "hf-generate", "hf-prompt-lookup", "sequential", "parallel-pruned", "adaptive"])
 
 
-def run_demo(n_questions: int = 4, max_new_tokens: int = 128) -> None:
-    runtime = RuntimeConfig()
-    config = {"model": BUNDLED, "questions": n_questions, "max_new_tokens": max_new_tokens,
-              "runtime": vars(runtime)}
-    converted = (gguf_cache_folder(bundled_gguf()) / "config.json").is_file()
-    print(f"[1/3] loading SmolLM2-135M-Instruct ({'cached conversion' if converted else 'dequantising the bundled GGUF once, ~30 s'})",
-          flush=True)
+def run_demo(pipeline: PipelineConfig | None = None, bench: HarnessConfig | None = None) -> dict:
+    from flexdraft.jobs import run_stage, shutdown_ray
+
+    cfg = pipeline or PipelineConfig()
+    t_start, times = time.perf_counter(), {}
+    stages = [("distill", "self-distillation data: the target answers ShareGPT prompts (Ray actors)"),
+              ("attention", "attention tuning of the deep layers' projectors (Ray Train + DeepSpeed)"),
+              ("calibration", "bonus-guided calibration MLP (Ray Train + DeepSpeed)")]
+    for i, (stage, what) in enumerate(stages, 1):
+        print(f"\n=== [{i}/4] {what}", flush=True)
+        t = time.perf_counter()
+        run_stage(cfg, stage)
+        times[stage] = time.perf_counter() - t
+    shutdown_ray()  # the benchmark runs in this process and wants both cores
+
+    bench = bench or HarnessConfig(**DEMO_BENCH)
+    bench.drafter = bench.drafter or str(cfg.drafter_dir("calibration"))
+    print(f"\n=== [4/4] benchmark: {len(bench.methods)} methods x batch {bench.batch_sizes} x {', '.join(bench.datasets)}, "
+          "side by side", flush=True)
     t = time.perf_counter()
-    lm = load_model(BUNDLED, runtime)
-    print(f"      loaded in {time.perf_counter() - t:.1f}s from {lm.folder} "
-          f"({runtime.torch_device()}, {runtime.torch_dtype()}, {torch.get_num_threads()} thread(s))", flush=True)
-
-    questions = gsm8k_questions(n_questions)
-    prompts = [chat_ids(lm.tokenizer, [{"role": "user", "content": q}]) for q in questions]
-    print(f"[2/3] answering {len(prompts)} GSM8K test questions in one batch (greedy, <= {max_new_tokens} tokens)",
-          flush=True)
-    with start_run("demo", config) as run:
-        gens = generate(lm.model, prompts, SamplingParams(max_new_tokens=max_new_tokens), lm.eos_token_ids)
-        seconds = gens[0].seconds * len(gens)
-        n_tokens = sum(len(g.token_ids) for g in gens)
-        for q, g in zip(questions, gens):
-            print(f"\nQ: {q}\nA: {lm.tokenizer.decode(g.token_ids, skip_special_tokens=True).strip()}")
-        import mlflow
-
-        mlflow.log_metrics({"ar_tokens_per_s": n_tokens / seconds, "generated_tokens": n_tokens,
-                            "seconds": seconds})
-        print(f"\n[3/3] {n_tokens} tokens in {seconds:.2f}s: {n_tokens / seconds:.1f} tokens/s "
-              f"(batched AR, prefill included)")
-        print(f"MLflow run {run.info.run_id}: mlflow ui --backend-store-uri {tracking_uri()}")
+    results = run_harness(bench)
+    times["benchmark"] = time.perf_counter() - t
+    print("\n" + summary_table(results), flush=True)
+    print("\n=== done in " + f"{(time.perf_counter() - t_start) / 60:.1f} min (" +
+          ", ".join(f"{k} {v / 60:.1f}" for k, v in times.items()) + ")\n"
+          f"    drafter:   {cfg.drafter_dir('calibration')}\n"
+          f"    results:   {results['output_dir']}/results.md (tables, per dataset), *.png (plots)\n"
+          f"    dashboard: mlflow ui --backend-store-uri {tracking_uri()}  (experiments {cfg.mlflow_experiment}, "
+          f"{bench.mlflow_experiment})", flush=True)
+    return results

@@ -385,6 +385,12 @@ def init_ray() -> None:
     ray.data.DataContext.get_current().enable_progress_bars = False  # the jobs print their own progress
 
 
+def shutdown_ray() -> None:
+    import ray
+
+    ray.shutdown()
+
+
 def run_stage(cfg: PipelineConfig, stage: str):
     """Run one stage ("distill", "attention", "calibration") or all ("pipeline"); every check that can fail
     runs before Ray starts (local) or is joined (RAY_ADDRESS)."""

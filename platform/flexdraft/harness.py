@@ -1,0 +1,442 @@
+"""The benchmark harness (`flexdraft bench --config ...`): datasets x batch sizes x methods on the same prompts
+in the same run, every FlexDraft output checked against our AR, results as Markdown, JSON, plots and MLflow.
+
+Methods (`METHODS`): our AR (the reference), `transformers` generate and prompt-lookup decoding on the same
+weights, and the engine's modes, three of which form the ablation (attention tuning only -> + calibration ->
++ selective verification). The engine methods decode in lockstep, one step of each in turn, so this noisy
+machine's bursts hit all alike; the `transformers` methods run whole `generate` calls after them in every
+repeat. Timing excludes model loading and includes prefill; every cell is warmed up first; a cell's time is
+the median over repeats.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from flexdraft.bench import hf_generate, load_hf, markdown
+from flexdraft.config import RuntimeConfig, data_dir, load_yaml
+from flexdraft.data import BENCH_DATASETS, UNAVAILABLE_DATASETS, bench_prompts, check_datasets
+from flexdraft.engine import Engine, EngineConfig
+from flexdraft.errors import FlexDraftError
+from flexdraft.generate import SamplingParams, generate
+from flexdraft.models.loading import load_model
+from flexdraft.runner import resolve_drafter, seed_costs
+
+
+@dataclass(frozen=True)
+class Method:
+    kind: str  # engine | hf | hf-lookup
+    engine: tuple = ()  # EngineConfig overrides, (key, value) pairs
+    about: str = ""
+
+
+METHODS = {
+    "ar": Method("engine", (("mode", "ar"),), "our batched AR: the reference for speed-ups and correctness"),
+    "hf-generate": Method("hf", (), "transformers generate, greedy, static batches"),
+    "hf-prompt-lookup": Method("hf-lookup", (), "transformers prompt-lookup decoding (batch 1 only)"),
+    "sequential": Method("engine", (("mode", "sequential"),), "draft after verify, slot 0 = known bonus"),
+    "parallel-uncalibrated": Method("engine", (("mode", "parallel"), ("calibrate", False)),
+                                    "ablation: attention tuning only (parallel, branches uncalibrated)"),
+    "parallel": Method("engine", (("mode", "parallel"),), "ablation: + calibration (all branches)"),
+    "parallel-pruned": Method("engine", (("mode", "parallel"), ("top_m", None)),
+                              "ablation: + selective verification (top_m branches)"),
+    "adaptive": Method("engine", (("mode", "adaptive"),), "the product: AR / sequential / parallel per step by cost"),
+}
+SPECULATIVE = [m for m, spec in METHODS.items() if spec.kind == "engine" and m != "ar"]
+
+
+@dataclass
+class HarnessConfig:
+    model: str = "smollm2"
+    drafter: str = ""  # "" = the default pipeline's drafter; a folder; or "init"
+    device: str = "auto"
+    dtype: str = "bfloat16"
+    threads: int = 0  # 0 = one per core
+    datasets: list[str] = field(default_factory=lambda: ["gsm8k", "humaneval", "mt-bench", "math", "mbpp"])
+    samples: int = 4  # prompts per dataset; a batch-b cell decodes max(samples, b) of them
+    seed: int = 0  # of the prompt sample
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 16])
+    max_new_tokens: int = 64
+    answer_tokens: int = 128  # multi-turn sets: length of the model's own earlier answers (greedy AR)
+    repeats: int = 1
+    methods: list[str] = field(default_factory=lambda: list(METHODS))
+    top_m: int = 2  # parallel-pruned keeps this many branches per row
+    switch_batch: int = 4
+    prompt_lookup_tokens: int = 10
+    profile: bool = True  # torch profile of 5 parallel-pruned steps at batch 1
+    output_dir: str = ""  # "" = $FLEXDRAFT_HOME/bench/<UTC time>
+    mlflow_experiment: str = "flexdraft-bench"
+
+    def __post_init__(self):
+        if not self.batch_sizes or min(self.batch_sizes) < 1:
+            raise FlexDraftError(f"batch_sizes must be >= 1, got {self.batch_sizes}")
+        for key in ("samples", "max_new_tokens", "answer_tokens", "repeats", "top_m", "prompt_lookup_tokens"):
+            if getattr(self, key) < 1:
+                raise FlexDraftError(f"{key} must be >= 1, got {getattr(self, key)}")
+        unknown = [m for m in self.methods if m not in METHODS]
+        if unknown:
+            raise FlexDraftError(f"unknown method(s) {', '.join(unknown)}: choose from {', '.join(METHODS)}")
+        if "ar" not in self.methods:
+            self.methods = ["ar", *self.methods]  # speed-ups and correctness are measured against it
+        check_datasets(self.datasets)
+        if not any(d in BENCH_DATASETS for d in self.datasets):
+            raise FlexDraftError(f"no available dataset among {self.datasets}: use some of {', '.join(BENCH_DATASETS)}")
+
+
+def load_harness_config(path: str | Path) -> HarnessConfig:
+    return load_yaml(HarnessConfig, path)
+
+
+# ------------------------------------------------------------------------------------------- one cell
+
+def _engines(lm, choice, cfg: HarnessConfig, batch: int, max_len: int) -> dict[str, Engine]:
+    engines = {}
+    for name in cfg.methods:
+        spec = METHODS[name]
+        if spec.kind != "engine":
+            continue
+        overrides = {k: (cfg.top_m if k == "top_m" else v) for k, v in spec.engine}
+        ec = EngineConfig(max_batch=batch, max_len=max_len, switch_batch=cfg.switch_batch, **overrides)
+        engines[name] = Engine(lm.model, choice.drafter if name != "ar" else None, ec, lm.eos_token_ids, choice.prior)
+        seed_costs(engines[name])
+    return engines
+
+
+def lockstep(engines: dict[str, Engine], prompts: list[list[int]], params: SamplingParams) -> dict[str, dict]:
+    """Decode the same prompts with every engine, one step of each in turn, timing each engine's steps only.
+    -> per engine: outputs, seconds, forward seconds by kind, steps per plan (mode/B<drafts>/m<branches>),
+    steps per mode, accepted drafts per verified row, and per draft position j how often it was verified
+    after j-1 accepted drafts and accepted."""
+    ids = {name: [e.add_request(p, params) for p in prompts] for name, e in engines.items()}
+    res = {name: {"seconds": 0.0, "forward": {}, "plans": {}, "modes": {}, "accepted": [],
+                  "reached": [0] * (e.B + 1), "taken": [0] * (e.B + 1)} for name, e in engines.items()}
+    while any(e.has_work() for e in engines.values()):
+        for name, engine in engines.items():
+            if not engine.has_work():
+                continue
+            t0 = time.perf_counter()
+            engine.step()
+            r, s = res[name], engine.last_stats
+            r["seconds"] += time.perf_counter() - t0
+            plan = s.mode + (f"/B{s.block}" if s.block else "") + (f"/m{s.branches:g}" if s.mode == "parallel" else "")
+            r["plans"][plan] = r["plans"].get(plan, 0) + 1
+            r["modes"][s.mode] = r["modes"].get(s.mode, 0) + 1
+            for k, v in s.forward_seconds.items():
+                r["forward"][k] = r["forward"].get(k, 0.0) + v
+            r["accepted"] += s.accepted
+            for a in s.accepted:
+                for j in range(1, s.block + 1):
+                    if a < j - 1:
+                        break
+                    r["reached"][j] += 1
+                    r["taken"][j] += a >= j
+    for name, engine in engines.items():
+        gens = [engine.result(i) for i in ids[name]]
+        forwards = sum(g.extra["forwards"] for g in gens)  # target forwards after each row's prefill
+        res[name].update(outputs=[g.token_ids for g in gens],
+                         tau=(sum(len(g.token_ids) for g in gens) - len(gens)) / max(forwards, 1),
+                         misses=engine.totals["pruned_misses"] / max(engine.totals["parallel_rows"], 1))
+        engine.totals.update(pruned_misses=0, parallel_rows=0)
+    return res
+
+
+class HFRunner:
+    """`transformers` generate over the prompts in static batches of `batch`, counting the model's forwards
+    (tau of prompt lookup)."""
+
+    def __init__(self, hf, eos: list[int], pad: int):
+        self.hf, self.eos, self.pad, self.forwards = hf, eos, pad, 0
+        hf.register_forward_hook(lambda *_: setattr(self, "forwards", self.forwards + 1))
+
+    def run(self, prompts: list[list[int]], batch: int, max_new: int, lookup: int = 0) -> dict:
+        self.forwards, outputs = 0, []
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for i in range(0, len(prompts), batch):
+            outputs += hf_generate(self.hf, prompts[i:i + batch], max_new, self.pad, self.eos, lookup)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        steps = self.forwards - -(-len(prompts) // batch)  # forwards after each batch's prefill
+        tokens = sum(len(o) for o in outputs)
+        return {"outputs": outputs, "seconds": seconds,
+                "tau": (tokens - len(prompts)) / max(steps, 1) if lookup else 1.0}
+
+
+def run_cell(engines: dict[str, Engine], hf: HFRunner | None, prompts: list[list[int]], batch: int,
+             cfg: HarnessConfig) -> list[dict]:
+    """Every method on the same prompts at one batch size -> one result row per method."""
+    params = SamplingParams(max_new_tokens=cfg.max_new_tokens)
+    hf_methods = {m: METHODS[m].kind for m in cfg.methods if METHODS[m].kind != "engine"}
+    if batch > 1:
+        hf_methods.pop("hf-prompt-lookup", None)  # transformers: "assisted generate is only supported for batch_size = 1"
+
+    def hf_run(name, max_new):
+        return hf.run(prompts, batch, max_new, cfg.prompt_lookup_tokens if hf_methods[name] == "hf-lookup" else 0)
+
+    lockstep(engines, prompts[:batch], SamplingParams(max_new_tokens=8))  # warm-up
+    for name in hf_methods:
+        hf_run(name, 8)
+    runs = []
+    for _ in range(cfg.repeats):
+        run = lockstep(engines, prompts, params)
+        run.update({name: hf_run(name, cfg.max_new_tokens) for name in hf_methods})
+        runs.append(run)
+    median = {name: statistics.median(r[name]["seconds"] for r in runs) for name in runs[0]}
+    tok_s = {name: sum(len(o) for o in runs[-1][name]["outputs"]) / median[name] for name in median}
+    reference = runs[0]["ar"]["outputs"]
+    rows = []
+    for name in cfg.methods:
+        if name not in median:
+            rows.append({"method": name, "batch": batch, "skipped": "transformers prompt lookup runs at batch 1 only"})
+            continue
+        last = runs[-1][name]
+        row = {"method": name, "batch": batch, "prompts": len(prompts), "tokens": sum(len(o) for o in last["outputs"]),
+               "seconds": median[name], "tok_s": tok_s[name], "speedup_ar": tok_s[name] / tok_s["ar"],
+               "speedup_hf": tok_s[name] / tok_s["hf-generate"] if "hf-generate" in tok_s else None,
+               "tau": last["tau"] if name != "ar" else 1.0,
+               # rows whose output differs from our AR's in any repeat
+               "mismatched_rows": sum(any(r[name]["outputs"][i] != ref for r in runs) for i, ref in enumerate(reference))}
+        if METHODS[name].kind == "engine":
+            steps = sum(last["modes"].values())
+            split = {k: v / last["seconds"] for k, v in last["forward"].items()}
+            split["other"] = 1 - sum(split.values())
+            row.update(mode_share={k: v / steps for k, v in last["modes"].items()}, plans=last["plans"],
+                       time_split=split, pruned_misses=last["misses"], accepted=last["accepted"],
+                       acceptance=[t / r if r else None for t, r in zip(last["taken"][1:], last["reached"][1:])])
+        rows.append(row)
+    return rows
+
+
+def step_profile(engine: Engine, prompt: list[int], steps: int = 5, rows: int = 10) -> str:
+    """torch.profiler table over `steps` decoding steps of `engine` (after the first two), totals."""
+    from torch.profiler import ProfilerActivity, profile
+
+    rid = engine.add_request(prompt, SamplingParams(max_new_tokens=64))
+    engine.step()
+    engine.step()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.target.device.type == "cuda" else [])
+    seconds, forward, plans = 0.0, {}, set()
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            engine.step()
+            s = engine.last_stats
+            seconds += s.seconds
+            plans.add(f"{s.mode}/B{s.block}/m{s.branches:g}")
+            for k, v in s.forward_seconds.items():
+                forward[k] = forward.get(k, 0.0) + v
+    engine.abort(rid)
+    head = (f"{steps} steps ({', '.join(sorted(plans))}), 1 row: {seconds / steps * 1000:.1f} ms per step, "
+            "forwards " + ", ".join(f"{k} {v / steps * 1000:.1f} ms" for k, v in forward.items()) +
+            " per step (profiler overhead included)")
+    return head + "\n" + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+
+
+# -------------------------------------------------------------------------------------------- the run
+
+def run_harness(cfg: HarnessConfig, log=print) -> dict:
+    """Run every dataset x batch size x method; write results.{json,md} and plots to the output folder and
+    log them to MLflow. -> the results dict (also in results.json)."""
+    import mlflow
+
+    from flexdraft.tracking import git_commit, hardware, start_run
+
+    t_start = time.perf_counter()
+    runtime = RuntimeConfig(device=cfg.device, dtype=cfg.dtype, threads=cfg.threads)
+    lm = load_model(cfg.model, runtime)
+    choice = resolve_drafter(cfg.drafter or None, lm.model, required=any(m in SPECULATIVE for m in cfg.methods))
+    hf = None
+    if any(METHODS[m].kind != "engine" for m in cfg.methods):
+        pad = lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else 0
+        hf = HFRunner(load_hf(lm, runtime), list(lm.eos_token_ids), pad)
+    datasets = check_datasets(cfg.datasets)
+    unavailable = {d: UNAVAILABLE_DATASETS[d] for d in cfg.datasets if d in UNAVAILABLE_DATASETS}
+    for d, why in unavailable.items():
+        log(f"[bench] {d}: unavailable ({why}); not run, nothing substituted")
+    log(f"[bench] {cfg.model} {cfg.dtype} on {lm.model.device}, {torch.get_num_threads()} thread(s); drafter "
+        f"{choice.source or 'none'}; {len(datasets)} dataset(s) x batch {cfg.batch_sizes} x {len(cfg.methods)} methods")
+
+    n = max(cfg.samples, max(cfg.batch_sizes))
+    answer = lambda ps: [g.token_ids for g in generate(  # noqa: E731  (multi-turn sets: the model's own answers)
+        lm.model, ps, SamplingParams(max_new_tokens=cfg.answer_tokens), lm.eos_token_ids)]
+    prompts = {}
+    for d in datasets:
+        prompts[d] = [p.ids for p in bench_prompts(d, lm.tokenizer, n, cfg.seed, answer)]
+        log(f"[bench] {d}: {len(prompts[d])} prompts, {min(map(len, prompts[d]))}-{max(map(len, prompts[d]))} tokens")
+    B = choice.drafter.config.block_size if choice.drafter is not None else 0
+    max_len = min(lm.model.args.max_position_embeddings,  # (the step profile decodes up to 64 tokens)
+                  max(len(p) for ps in prompts.values() for p in ps) + max(cfg.max_new_tokens, 64) + (B + 1) + (B + 1) ** 2)
+
+    out = Path(cfg.output_dir).expanduser() if cfg.output_dir else \
+        data_dir() / "bench" / datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
+    out.mkdir(parents=True, exist_ok=True)
+    rows, cells = [], len(cfg.batch_sizes) * len(datasets)
+    with start_run(cfg.mlflow_experiment, {**asdict(cfg), "drafter_source": choice.source}) as run:
+        for bi, batch in enumerate(cfg.batch_sizes):
+            engines = _engines(lm, choice, cfg, batch, max_len)
+            for di, d in enumerate(datasets):
+                cell = prompts[d][:max(cfg.samples, batch)]
+                log(f"[bench {bi * len(datasets) + di + 1}/{cells}] {d}, batch {batch}, {len(cell)} prompts, "
+                    f"<= {cfg.max_new_tokens} new tokens each")
+                for row in run_cell(engines, hf, cell, batch, cfg):
+                    row["dataset"] = d
+                    rows.append(row)
+                    log("    " + _line(row))
+                    if "skipped" not in row:
+                        tag = f"{d}.{row['method']}.b{batch}"
+                        mlflow.log_metrics({f"{k}.{tag}": row[k] for k in ("tok_s", "speedup_ar", "tau",
+                                                                           "mismatched_rows")})
+        profile = step_profile(_engines(lm, choice, cfg, 1, max_len)["parallel-pruned"], prompts[datasets[0]][0]) \
+            if cfg.profile and "parallel-pruned" in cfg.methods else ""
+        results = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                   "git_commit": git_commit(), "hardware": hardware(), "config": asdict(cfg),
+                   "device": str(lm.model.device), "drafter": choice.source, "drafter_eval": choice.prior,
+                   "unavailable": unavailable, "seconds": time.perf_counter() - t_start, "output_dir": str(out),
+                   "summary": summary(rows), "rows": rows}
+        (out / "results.json").write_text(json.dumps(results, indent=1))
+        (out / "results.md").write_text(report(results) + (f"\n\n## One step, profiled\n\n```\n{profile}\n```\n"
+                                                            if profile else ""))
+        plot(results, out)
+        mlflow.log_metrics({f"mean_speedup_ar.{m}.b{b}": v for m, per in results["summary"].items()
+                            for b, v in per.items()})
+        mlflow.log_artifacts(str(out))
+        log(f"[bench] done in {results['seconds']:.0f}s: {out}/results.md, results.json, plots; MLflow run "
+            f"{run.info.run_id} (experiment {cfg.mlflow_experiment})")
+    return results
+
+
+def summary(rows: list[dict]) -> dict[str, dict[int, float]]:
+    """method -> batch -> speed-up over our AR, mean over the datasets (the paper's 'mean')."""
+    acc: dict[str, dict[int, list[float]]] = {}
+    for r in rows:
+        if "skipped" not in r:
+            acc.setdefault(r["method"], {}).setdefault(r["batch"], []).append(r["speedup_ar"])
+    return {m: {b: statistics.mean(v) for b, v in per.items()} for m, per in acc.items()}
+
+
+def _modes(row: dict) -> str:
+    return " ".join(f"{k} {v:.0%}" for k, v in sorted(row.get("mode_share", {}).items(), key=lambda kv: -kv[1]))
+
+
+def _line(r: dict) -> str:
+    if "skipped" in r:
+        return f"{r['method']:>22}: skipped ({r['skipped']})"
+    hf = f", x{r['speedup_hf']:.2f} over transformers" if r.get("speedup_hf") else ""
+    extra = f", steps {_modes(r)}" if r["method"] != "ar" and "mode_share" in r else ""
+    extra += f", pruned misses {r['pruned_misses']:.0%}" if "parallel" in r.get("mode_share", {}) else ""
+    return (f"{r['method']:>22}: {r['tok_s']:7.1f} tok/s, x{r['speedup_ar']:.2f} over AR{hf}, tau {r['tau']:.2f}, "
+            f"mismatched rows {r['mismatched_rows']}/{r['prompts']}{extra}")
+
+
+def summary_table(results: dict) -> str:
+    batches = results["config"]["batch_sizes"]
+    return markdown("**Speed-up over our AR, mean over the datasets**", ["method"] + [f"batch {b}" for b in batches],
+                    [[m] + [f"{per[b]:.2f}x" if b in per else "n/a" for b in batches]
+                     for m, per in results["summary"].items()])
+
+
+def report(results: dict) -> str:
+    cfg, hw = results["config"], results["hardware"]
+    lines = [f"# FlexDraft benchmark, {results['date']}", "",
+             f"* Machine: {hw.get('gpu') or hw['cpu']} ({hw['cpu_count']} CPUs, {hw['torch_threads']} torch threads), "
+             f"{results['device']}, {cfg['dtype']}; model {cfg['model']}; drafter {results['drafter'] or 'none'}; "
+             f"commit {results['git_commit']}.",
+             f"* Prompts: a seeded sample (seed {cfg['seed']}) of max({cfg['samples']}, batch) per dataset and batch "
+             f"size, chat template, greedy, up to {cfg['max_new_tokens']} new tokens, EOS respected; MT-Bench's "
+             f"second turn follows the model's own first answer (up to {cfg['answer_tokens']} tokens).",
+             f"* Timing: model loading excluded, prefill included, one warm-up per cell, median of {cfg['repeats']} "
+             f"repeat(s); speed-ups are tokens/s ratios measured in the same run ({results['seconds'] / 60:.1f} min "
+             "in all). tau: tokens per target forward after the prefill.",
+             "* Correctness: every output is compared with our AR's, token for token (mismatched rows below)."]
+    if results["unavailable"]:
+        lines.append("* Not run, nothing substituted: " + "; ".join(f"{d} ({why})" for d, why in
+                                                                    results["unavailable"].items()) + ".")
+    lines += ["", summary_table(results), ""]
+    cells = []
+    for r in results["rows"]:
+        if "skipped" in r:
+            continue
+        acc = " ".join(f"{a:.2f}" for a in (r.get("acceptance") or [])[:4] if a is not None)
+        cells.append([r["dataset"], r["batch"], r["method"], f"{r['tok_s']:.1f}", f"{r['speedup_ar']:.2f}x",
+                      f"{r['speedup_hf']:.2f}x" if r.get("speedup_hf") else "n/a", f"{r['tau']:.2f}",
+                      f"{r['mismatched_rows']}/{r['prompts']}", acc, _modes(r) if r["method"] != "ar" else "",
+                      f"{r['pruned_misses']:.0%}" if "parallel" in r.get("mode_share", {}) else ""])
+    lines.append(markdown("**Per dataset and batch size** (acceptance: P(draft j accepted | drafts before it accepted), "
+                          "j = 1..4; steps: share of engine steps per mode)",
+                          ["dataset", "batch", "method", "tok/s", "x our AR", "x transformers", "tau", "mismatched rows",
+                           "acceptance", "steps", "pruned misses"], cells))
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, out: Path) -> list[Path]:
+    """speedup_vs_batch.png (per dataset), tau_hist.png (tokens per verify step, batch 1), acceptance.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in results["rows"] if "skipped" not in r]
+    datasets = list(dict.fromkeys(r["dataset"] for r in rows))
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    title = f"{results['config']['model']}, {results['config']['dtype']}, {results['device']}"
+    paths = []
+
+    fig, axes = plt.subplots(1, len(datasets), figsize=(4.5 * len(datasets), 3.8), squeeze=False, sharey=True)
+    for ax, d in zip(axes[0], datasets):
+        for m in methods:
+            pts = sorted((r["batch"], r["speedup_ar"]) for r in rows if r["dataset"] == d and r["method"] == m)
+            ax.plot(*zip(*pts), marker="o", label=m, linestyle="--" if m.startswith("hf") else "-")
+        ax.axhline(1.0, color="grey", linewidth=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(results["config"]["batch_sizes"], [str(b) for b in results["config"]["batch_sizes"]])
+        ax.set_title(d)
+        ax.set_xlabel("batch size")
+    axes[0][0].set_ylabel("speed-up over our AR (tokens/s)")
+    axes[0][-1].legend(fontsize=7)
+    fig.suptitle(f"Speed-up vs batch size ({title})")
+    fig.tight_layout()
+    paths.append(out / "speedup_vs_batch.png")
+    fig.savefig(paths[-1], dpi=110)
+
+    spec = [m for m in methods if m in SPECULATIVE]
+    b1 = min(r["batch"] for r in rows)
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    for m in spec:
+        lengths = [a + 1 for r in rows if r["method"] == m and r["batch"] == b1 for a in r["accepted"]]
+        if lengths:
+            ax.hist(lengths, bins=range(1, max(lengths) + 2), histtype="step", density=True, linewidth=1.5,
+                    label=f"{m} (mean {statistics.mean(lengths):.2f})", align="left")
+    ax.set_xlabel("tokens per verify step (accepted drafts + 1)")
+    ax.set_ylabel("share of steps")
+    ax.set_title(f"Tokens per step, batch {b1}, all datasets")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(out / "tau_hist.png")
+    fig.savefig(paths[-1], dpi=110)
+
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    for m in spec:
+        taken = [r for r in rows if r["method"] == m and r["batch"] == b1 and r.get("acceptance")]
+        if taken:
+            per_pos = []
+            for j in range(len(taken[0]["acceptance"])):
+                seen = [r["acceptance"][j] for r in taken if r["acceptance"][j] is not None]
+                per_pos.append(statistics.mean(seen) if seen else float("nan"))
+            ax.plot(range(1, len(per_pos) + 1), per_pos, marker="o", label=m)
+    ax.set_xlabel("draft position j")
+    ax.set_ylabel("P(accepted | earlier drafts accepted)")
+    ax.set_ylim(0, 1)
+    ax.set_title(f"Acceptance per position, batch {b1}, mean over datasets")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(out / "acceptance.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close("all")
+    return paths
