@@ -140,6 +140,15 @@ def test_save_load_roundtrip_and_base_mismatch(tiny, tmp_path):
     with pytest.raises(FlexDraftError, match="other base weights"):
         load_drafter(tmp_path / "d", other)
 
+    # format 1 calibrated with unnormalised MLP inputs: refused; its attention-tuning output (MLP untrained) loads
+    meta.update(format="flexdraft-drafter/1", stage="calibration", config=drafter.config.__dict__)
+    (tmp_path / "d" / "drafter.json").write_text(json.dumps(meta))
+    with pytest.raises(FlexDraftError, match="rerun calibration"):
+        load_drafter(tmp_path / "d", tiny)
+    meta["stage"] = "attention"
+    (tmp_path / "d" / "drafter.json").write_text(json.dumps(meta))
+    assert load_drafter(tmp_path / "d", tiny).config == drafter.config
+
 
 def test_fingerprint_ignores_dtype(tiny, tmp_path):
     """fp32 and bf16 loads of the same weights have one fingerprint (a drafter serves both)."""

@@ -26,7 +26,9 @@ from flexdraft.errors import FlexDraftError
 from flexdraft.models.config import ModelArgs
 from flexdraft.models.transformer import Attention, KVCache, Transformer, attend, grouped_bias
 
-FORMAT = "flexdraft-drafter/1"
+FORMAT = "flexdraft-drafter/2"  # 2: the calibration MLP normalises its inputs
+# format 1 drafters still load when their calibration MLP was never trained (attention-tuning output)
+UNCALIBRATED_FORMATS = ("flexdraft-drafter/1",)
 WEIGHTS, META = "drafter.safetensors", "drafter.json"
 
 
@@ -65,7 +67,10 @@ class CalibrationMLP(nn.Module):
         nn.init.zeros_(self.down.bias)
 
     def forward(self, bonus_embedding: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        return self.down(F.silu(self.up(torch.cat((bonus_embedding, h), dim=-1))))
+        # both halves RMS-normalised: SmolLM2's embeddings have RMS ~0.13 against ~1.8 for the final-normed
+        # hidden state, and unnormalised the bonus barely moved the first layer (calibration gained nothing)
+        x = torch.cat((F.rms_norm(bonus_embedding, (h.shape[-1],)), F.rms_norm(h, (h.shape[-1],))), dim=-1)
+        return self.down(F.silu(self.up(x)))
 
 
 class Drafter(nn.Module):
@@ -231,7 +236,11 @@ def read_drafter_meta(folder: str | Path) -> dict:
         meta = json.loads((folder / META).read_text())
     except json.JSONDecodeError as e:
         raise FlexDraftError(f"{folder / META} is not valid JSON: {e}") from None
-    if meta.get("format") != FORMAT:
+    if meta.get("format") in UNCALIBRATED_FORMATS:
+        if meta.get("stage") != "attention":
+            raise FlexDraftError(f"{folder}: calibrated by an older FlexDraft ({meta['format']}, whose calibration MLP "
+                                 "took unnormalised inputs): rerun calibration (flexdraft calibrate --config ...)")
+    elif meta.get("format") != FORMAT:
         raise FlexDraftError(f"{folder / META}: unknown drafter format {meta.get('format')!r} (expected {FORMAT})")
     return meta
 

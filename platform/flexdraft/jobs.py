@@ -339,9 +339,14 @@ def run_training(cfg: PipelineConfig, stage: str, fail_at_step: int | None = Non
     init_ray()
     key = run_key(cfg, stage)
     out = cfg.drafter_dir(stage)
-    if (out / "drafter.json").is_file() and read_drafter_meta(out).get("run_key") == key:
+    try:
+        done = read_drafter_meta(out) if (out / "drafter.json").is_file() else {}
+    except FlexDraftError as e:  # e.g. made by an older FlexDraft: trained afresh below
+        log(stage, f"not reusing {out}: {e}")
+        done = {}
+    if done.get("run_key") == key:
         log(stage, f"reusing {out} (trained earlier with this config)")
-        return read_drafter_meta(out)
+        return done
     run_file = cfg.root / f"{stage}-{key}.mlflow-run"
     run_id = run_file.read_text().strip() if run_file.is_file() else None
     with start_run(cfg.mlflow_experiment, {"stage": stage, "run_key": key, **asdict(cfg)},
