@@ -69,6 +69,9 @@ class HarnessConfig:
     top_m: int = 2  # parallel-pruned keeps this many branches per row
     switch_batch: int = 4
     prompt_lookup_tokens: int = 10
+    # the all-branch parallel rows (ablation) run up to this batch size (0 = all): (B+1)^2 branch tokens per row
+    # make them ~10x slower than AR at batch 16 on this CPU, minutes per cell that tell nothing new
+    all_branches_max_batch: int = 4
     profile: bool = True  # torch profile of 5 parallel-pruned steps at batch 1
     output_dir: str = ""  # "" = $FLEXDRAFT_HOME/bench/<UTC time>
     mlflow_experiment: str = "flexdraft-bench"
@@ -79,6 +82,8 @@ class HarnessConfig:
         for key in ("samples", "max_new_tokens", "answer_tokens", "repeats", "top_m", "prompt_lookup_tokens"):
             if getattr(self, key) < 1:
                 raise FlexDraftError(f"{key} must be >= 1, got {getattr(self, key)}")
+        if self.all_branches_max_batch < 0:
+            raise FlexDraftError(f"all_branches_max_batch must be >= 0 (0 = no limit), got {self.all_branches_max_batch}")
         unknown = [m for m in self.methods if m not in METHODS]
         if unknown:
             raise FlexDraftError(f"unknown method(s) {', '.join(unknown)}: choose from {', '.join(METHODS)}")
@@ -95,11 +100,19 @@ def load_harness_config(path: str | Path) -> HarnessConfig:
 
 # ------------------------------------------------------------------------------------------- one cell
 
+def skip_reason(method: str, batch: int, cfg: HarnessConfig) -> str | None:
+    if method == "hf-prompt-lookup" and batch > 1:
+        return "transformers prompt lookup runs at batch 1 only"  # "assisted generate is only supported for batch_size = 1"
+    if method in ("parallel", "parallel-uncalibrated") and 0 < cfg.all_branches_max_batch < batch:
+        return f"all-branch parallel runs up to batch {cfg.all_branches_max_batch} (all_branches_max_batch)"
+    return None
+
+
 def _engines(lm, choice, cfg: HarnessConfig, batch: int, max_len: int) -> dict[str, Engine]:
     engines = {}
     for name in cfg.methods:
         spec = METHODS[name]
-        if spec.kind != "engine":
+        if spec.kind != "engine" or skip_reason(name, batch, cfg):
             continue
         overrides = {k: (cfg.top_m if k == "top_m" else v) for k, v in spec.engine}
         ec = EngineConfig(max_batch=batch, max_len=max_len, switch_batch=cfg.switch_batch, **overrides)
@@ -174,9 +187,7 @@ def run_cell(engines: dict[str, Engine], hf: HFRunner | None, prompts: list[list
              cfg: HarnessConfig) -> list[dict]:
     """Every method on the same prompts at one batch size -> one result row per method."""
     params = SamplingParams(max_new_tokens=cfg.max_new_tokens)
-    hf_methods = {m: METHODS[m].kind for m in cfg.methods if METHODS[m].kind != "engine"}
-    if batch > 1:
-        hf_methods.pop("hf-prompt-lookup", None)  # transformers: "assisted generate is only supported for batch_size = 1"
+    hf_methods = {m: METHODS[m].kind for m in cfg.methods if METHODS[m].kind != "engine" and not skip_reason(m, batch, cfg)}
 
     def hf_run(name, max_new):
         return hf.run(prompts, batch, max_new, cfg.prompt_lookup_tokens if hf_methods[name] == "hf-lookup" else 0)
@@ -195,7 +206,7 @@ def run_cell(engines: dict[str, Engine], hf: HFRunner | None, prompts: list[list
     rows = []
     for name in cfg.methods:
         if name not in median:
-            rows.append({"method": name, "batch": batch, "skipped": "transformers prompt lookup runs at batch 1 only"})
+            rows.append({"method": name, "batch": batch, "skipped": skip_reason(name, batch, cfg)})
             continue
         last = runs[-1][name]
         row = {"method": name, "batch": batch, "prompts": len(prompts), "tokens": sum(len(o) for o in last["outputs"]),
