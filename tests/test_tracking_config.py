@@ -51,16 +51,25 @@ def test_runtime_refuses_fp16_on_cpu_and_unknown_device():
     assert RuntimeConfig(device="cpu").torch_dtype().is_floating_point
 
 
-def test_every_shipped_pipeline_config_loads_and_fits_the_bundled_model(real_folder):
-    """configs/**/*.yaml stay valid as the dataclasses change: strict load, drafter checked against SmolLM2."""
+def test_every_shipped_config_loads(real_folder):
+    """configs/**/*.yaml stay valid as the dataclasses change, strictly loaded: pipeline configs (drafter checked
+    against SmolLM2) and the harness configs of configs/bench/, which equal the embedded defaults where they
+    claim to."""
     import json
     from pathlib import Path
 
+    from flexdraft.harness import HarnessConfig, load_harness_config
     from flexdraft.models.config import ModelArgs
-    from flexdraft.pipeline import load_pipeline_config
+    from flexdraft.pipeline import PipelineConfig, load_pipeline_config
 
     args = ModelArgs.from_hf_config(json.loads((real_folder / "config.json").read_text()))
-    files = sorted((Path(__file__).parents[1] / "configs").rglob("*.yaml"))
-    assert len(files) >= 4
-    for f in files:
+    configs = Path(__file__).parents[1] / "configs"
+    bench = sorted((configs / "bench").glob("*.yaml"))
+    pipelines = sorted(set(configs.rglob("*.yaml")) - set(bench))
+    assert len(pipelines) >= 4 and {f.name for f in bench} >= {"default.yaml", "full.yaml", "gpu.yaml"}
+    for f in pipelines:
         load_pipeline_config(f).drafter.check(args)
+    for f in bench:
+        load_harness_config(f)
+    assert load_harness_config(configs / "bench" / "default.yaml") == HarnessConfig()
+    assert load_pipeline_config(configs / "smollm2.yaml") == PipelineConfig()
