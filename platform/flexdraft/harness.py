@@ -366,6 +366,9 @@ def report(results: dict) -> str:
              f"repeat(s); speed-ups are tokens/s ratios measured in the same run ({results['seconds'] / 60:.1f} min "
              "in all). tau: tokens per target forward after the prefill.",
              "* Correctness: every output is compared with our AR's, token for token (mismatched rows below)."]
+    lines.append("* Datasets: " + "; ".join(f"`{d}` ({BENCH_DATASETS[d].title}, package {BENCH_DATASETS[d].source})"
+                                           for d in cfg["datasets"] if d in BENCH_DATASETS) + ".")
+    lines.append("* Methods: " + "; ".join(f"`{m}` ({METHODS[m].about})" for m in cfg["methods"]) + ".")
     if results["unavailable"]:
         lines.append("* Not run, nothing substituted: " + "; ".join(f"{d} ({why})" for d, why in
                                                                     results["unavailable"].items()) + ".")
