@@ -39,7 +39,8 @@ class ArBenchConfig:
             raise FlexDraftError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
 
 
-def _timed(fn) -> float:
+def timed(fn) -> float:
+    """Wall seconds of fn(), the GPU (if any) synchronised before and after."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -92,7 +93,7 @@ def _side_by_side(lm, hf, prompts: list[list[int]], cfg: ArBenchConfig, pad_id: 
             run()  # warm-up
         for _ in range(cfg.repeats):
             for name, run in runs.items():
-                times[name].append(_timed(run))
+                times[name].append(timed(run))
     n_tokens = len(prompts) * cfg.max_new_tokens
     row = {
         "dtype": str(lm.model.dtype).removeprefix("torch."), "threads": torch.get_num_threads(),

@@ -32,7 +32,7 @@ def run_demo(pipeline: PipelineConfig | None = None, bench: HarnessConfig | None
         times[stage] = time.perf_counter() - t
     shutdown_ray()  # the benchmark runs in this process and wants both cores
 
-    bench = bench or HarnessConfig(**DEMO_BENCH)
+    bench = bench or HarnessConfig(model=cfg.model, **DEMO_BENCH)
     bench.drafter = bench.drafter or str(cfg.drafter_dir("calibration"))
     print(f"\n=== [4/4] benchmark: {len(bench.methods)} methods x batch {bench.batch_sizes} x {', '.join(bench.datasets)}, "
           "side by side", flush=True)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from flexdraft.bench import hf_generate, load_hf, markdown
+from flexdraft.bench import hf_generate, load_hf, markdown, timed
 from flexdraft.config import RuntimeConfig, data_dir, load_yaml
 from flexdraft.data import BENCH_DATASETS, UNAVAILABLE_DATASETS, bench_prompts, check_datasets
 from flexdraft.engine import Engine, EngineConfig
@@ -169,14 +169,12 @@ class HFRunner:
 
     def run(self, prompts: list[list[int]], batch: int, max_new: int, lookup: int = 0) -> dict:
         self.forwards, outputs = 0, []
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for i in range(0, len(prompts), batch):
-            outputs += hf_generate(self.hf, prompts[i:i + batch], max_new, self.pad, self.eos, lookup)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        seconds = time.perf_counter() - t0
+
+        def generate_all():
+            for i in range(0, len(prompts), batch):
+                outputs.extend(hf_generate(self.hf, prompts[i:i + batch], max_new, self.pad, self.eos, lookup))
+
+        seconds = timed(generate_all)
         steps = self.forwards - -(-len(prompts) // batch)  # forwards after each batch's prefill
         tokens = sum(len(o) for o in outputs)
         return {"outputs": outputs, "seconds": seconds,
