@@ -108,17 +108,17 @@ def skip_reason(method: str, batch: int, cfg: HarnessConfig) -> str | None:
     return None
 
 
+def _engine(lm, choice, cfg: HarnessConfig, method: str, batch: int, max_len: int) -> Engine:
+    overrides = {k: (cfg.top_m if k == "top_m" else v) for k, v in METHODS[method].engine}
+    ec = EngineConfig(max_batch=batch, max_len=max_len, switch_batch=cfg.switch_batch, **overrides)
+    engine = Engine(lm.model, choice.drafter if method != "ar" else None, ec, lm.eos_token_ids, choice.prior)
+    seed_costs(engine)
+    return engine
+
+
 def _engines(lm, choice, cfg: HarnessConfig, batch: int, max_len: int) -> dict[str, Engine]:
-    engines = {}
-    for name in cfg.methods:
-        spec = METHODS[name]
-        if spec.kind != "engine" or skip_reason(name, batch, cfg):
-            continue
-        overrides = {k: (cfg.top_m if k == "top_m" else v) for k, v in spec.engine}
-        ec = EngineConfig(max_batch=batch, max_len=max_len, switch_batch=cfg.switch_batch, **overrides)
-        engines[name] = Engine(lm.model, choice.drafter if name != "ar" else None, ec, lm.eos_token_ids, choice.prior)
-        seed_costs(engines[name])
-    return engines
+    return {name: _engine(lm, choice, cfg, name, batch, max_len) for name in cfg.methods
+            if METHODS[name].kind == "engine" and not skip_reason(name, batch, cfg)}
 
 
 def lockstep(engines: dict[str, Engine], prompts: list[list[int]], params: SamplingParams) -> dict[str, dict]:
@@ -210,7 +210,7 @@ def run_cell(engines: dict[str, Engine], hf: HFRunner | None, prompts: list[list
         row = {"method": name, "batch": batch, "prompts": len(prompts), "tokens": sum(len(o) for o in last["outputs"]),
                "seconds": median[name], "tok_s": tok_s[name], "speedup_ar": tok_s[name] / tok_s["ar"],
                "speedup_hf": tok_s[name] / tok_s["hf-generate"] if "hf-generate" in tok_s else None,
-               "tau": last["tau"] if name != "ar" else 1.0,
+               "tau": last["tau"],
                # rows whose output differs from our AR's in any repeat
                "mismatched_rows": sum(any(r[name]["outputs"][i] != ref for r in runs) for i, ref in enumerate(reference))}
         if METHODS[name].kind == "engine":
@@ -302,7 +302,7 @@ def run_harness(cfg: HarnessConfig, log=print) -> dict:
                         tag = f"{d}.{row['method']}.b{batch}"
                         mlflow.log_metrics({f"{k}.{tag}": row[k] for k in ("tok_s", "speedup_ar", "tau",
                                                                            "mismatched_rows")})
-        profile = step_profile(_engines(lm, choice, cfg, 1, max_len)["parallel-pruned"], prompts[datasets[0]][0]) \
+        profile = step_profile(_engine(lm, choice, cfg, "parallel-pruned", 1, max_len), prompts[datasets[0]][0]) \
             if cfg.profile and "parallel-pruned" in cfg.methods else ""
         results = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                    "git_commit": git_commit(), "hardware": hardware(), "config": asdict(cfg),
