@@ -61,7 +61,8 @@ def load_hf(lm, runtime: RuntimeConfig):
 def hf_generate(hf, prompts: list[list[int]], max_new: int, pad_id: int, eos: list[int] | None = None,
                 lookup: int = 0) -> list[list[int]]:
     """transformers generate, greedy, one left-padded batch -> the new token ids per row. eos: stop rows at
-    these tokens (None: EOS ignored, every row gets max_new). lookup > 0: prompt-lookup decoding with that
+    these tokens (None: as `hf.generation_config` says; run_ar_benchmark clears its EOS so every row gets
+    max_new). lookup > 0: prompt-lookup decoding with that
     many candidate tokens (transformers supports it at batch 1 only)."""
     T = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), T), pad_id, dtype=torch.long)

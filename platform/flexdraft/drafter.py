@@ -69,7 +69,8 @@ class CalibrationMLP(nn.Module):
     def forward(self, bonus_embedding: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         # both halves RMS-normalised: SmolLM2's embeddings have RMS ~0.13 against ~1.8 for the final-normed
         # hidden state, and unnormalised the bonus barely moved the first layer (calibration gained nothing)
-        x = torch.cat((F.rms_norm(bonus_embedding, (h.shape[-1],)), F.rms_norm(h, (h.shape[-1],))), dim=-1)
+        d = h.shape[-1]  # the bonus embedding has the same width
+        x = torch.cat((F.rms_norm(bonus_embedding, (d,)), F.rms_norm(h, (d,))), dim=-1)
         return self.down(F.silu(self.up(x)))
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from flexdraft.config import RuntimeConfig, from_dict
+from flexdraft.drafter import FORMAT
 from flexdraft.errors import FlexDraftError
 from flexdraft.pipeline import PipelineConfig, TrainConfig
 
@@ -99,8 +100,8 @@ def run_key(cfg: PipelineConfig, stage: str) -> str:
     """Identifies a training run: the same key resumes, any config change starts afresh."""
     parts = [cfg.model, asdict(cfg.drafter), asdict(_stage_config(cfg, stage)), asdict(cfg.distill),
              cfg.workers.num_workers]
-    if stage == "calibration":
-        parts.append(asdict(cfg.attention))
+    if stage == "calibration":  # the drafter format too: a format change (e.g. 2: normalised MLP inputs) must
+        parts += [asdict(cfg.attention), FORMAT]  # not resume from an older format's Ray Train checkpoint
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:10]
 
 
@@ -341,7 +342,7 @@ def run_training(cfg: PipelineConfig, stage: str, fail_at_step: int | None = Non
     out = cfg.drafter_dir(stage)
     try:
         done = read_drafter_meta(out) if (out / "drafter.json").is_file() else {}
-    except FlexDraftError as e:  # e.g. made by an older FlexDraft: trained afresh below
+    except FlexDraftError as e:  # e.g. calibrated by an older FlexDraft (its run key differs too): trained afresh
         log(stage, f"not reusing {out}: {e}")
         done = {}
     if done.get("run_key") == key:
