@@ -23,6 +23,17 @@ def data_dir() -> Path:
     return path
 
 
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU has bf16 matrix instructions (AVX512-BF16 or AMX). With them a bf16 GEMM runs ~4.5x
+    faster than fp32 (measured: 576x1536, one thread, 506 against 111 GFLOP/s); without, bf16 is emulated
+    and slower than fp32."""
+    try:
+        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        return False
+    return bool({"avx512_bf16", "amx_bf16"} & set(flags.split()))
+
+
 @dataclass
 class RuntimeConfig:
     device: str = "auto"  # auto = cuda when available, else cpu

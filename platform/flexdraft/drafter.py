@@ -34,7 +34,7 @@ WEIGHTS, META = "drafter.safetensors", "drafter.json"
 
 @dataclass
 class DrafterConfig:
-    k: int = 12  # tuned (deepest) layers
+    k: int = 24  # tuned (deepest) layers
     block_size: int = 8  # B: draft tokens per block (the block has B + 1 slots)
     entry_layer: int = 0  # e: where block slots enter the network, 0 <= e <= L - k
     tuned_attention: str = "bidirectional"  # in-block attention in the tuned layers: bidirectional | causal

@@ -194,9 +194,8 @@ def train_func(config: dict) -> None:
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     torch.set_num_threads(cfg.workers.threads_per_worker)
     device = ray.train.torch.get_device()
-    # dtype auto: float32 on CPU (bf16 training measured 2x slower there), bfloat16 on GPU
-    runtime = RuntimeConfig(device=str(device), dtype=tc.dtype, threads=cfg.workers.threads_per_worker,
-                            cpu_prepack=False)
+    runtime = RuntimeConfig(device=str(device), dtype=tc.train_dtype(device.type),
+                            threads=cfg.workers.threads_per_worker, cpu_prepack=False)
     dtype = runtime.torch_dtype()
     lm = load_model(cfg.model, runtime, with_tokenizer=False)
     target = lm.model

@@ -7,19 +7,19 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from flexdraft.config import data_dir, load_yaml
+from flexdraft.config import cpu_has_native_bf16, data_dir, load_yaml
 from flexdraft.drafter import DrafterConfig
 from flexdraft.errors import FlexDraftError
 
 
 @dataclass
 class DistillConfig:
-    num_prompts: int = 800  # ShareGPT first turns answered by the target (train + validation)
+    num_prompts: int = 1200  # ShareGPT first turns answered by the target (train + validation)
     validation_prompts: int = 40
     min_prompt_tokens: int = 8
     max_prompt_tokens: int = 160
     max_new_tokens: int = 192
-    batch_size: int = 16
+    batch_size: int = 64  # one thread, bf16, 96 new tokens: 322 tok/s at 16, 409 at 32, 482 at 64
     shard_size: int = 64  # prompts per shard: the unit of parallelism and of resumption
     dtype: str = "bfloat16"  # the target's dtype while answering (its greedy answers are the training data)
     seed: int = 0
@@ -29,7 +29,7 @@ class DistillConfig:
 class TrainConfig:
     # Many small steps beat few large ones at equal compute (measured, SmolLM2 k=12, 6 CPU-minutes: 185 steps
     # of 1 sequence x 16 blocks reach the validation tau that 100 steps of 4 x 40 reached in 36 CPU-minutes)
-    steps: int = 400  # optimizer steps (each worker: batch_size sequences per step)
+    steps: int = 1300  # optimizer steps (each worker: batch_size sequences per step)
     batch_size: int = 1  # sequences per worker per step
     anchors_per_seq: int = 16  # blocks per sequence per step
     max_seq_len: int = 384  # sequences are cut to this many tokens
@@ -39,9 +39,9 @@ class TrainConfig:
     loss: str = "ce"  # ce: cross-entropy to the target's greedy tokens; kl: KL(p_target || q)
     slot_decay: float = 0.8  # slot j's loss weight is slot_decay^(j-1)
     zero_stage: int = 2
-    dtype: str = "auto"  # auto: float32 on CPU (bf16 training measured 2x slower there), bfloat16 on GPU
-    checkpoint_every: int = 100
-    log_every: int = 20
+    dtype: str = "auto"  # auto: bfloat16 on GPU and on CPUs with bf16 instructions, else float32 (see train_dtype)
+    checkpoint_every: int = 200
+    log_every: int = 50
     eval_sequences: int = 40  # validation sequences for the agreement metrics
     eval_stride: int = 7  # one evaluation anchor every eval_stride answer positions
     eval_anchors: int = 24  # at most this many per sequence
@@ -58,6 +58,14 @@ class TrainConfig:
             raise FlexDraftError(f"config.{where}.zero_stage must be 0-3, got {self.zero_stage}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise FlexDraftError(f"config.{where}.dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+
+    def train_dtype(self, device_type: str) -> str:
+        """The dtype `auto` means on this device. Training a k = 12 drafter on SmolLM2 (one CPU thread, 1
+        sequence x 16 blocks per step) takes 0.54 s per step in bf16 against 1.4 s in fp32 on an AVX512-BF16
+        CPU; DeepSpeed keeps fp32 master weights either way."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if device_type == "cuda" or cpu_has_native_bf16() else "float32"
 
 
 @dataclass
@@ -76,7 +84,7 @@ class PipelineConfig:
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
     attention: TrainConfig = field(default_factory=TrainConfig)
-    calibration: TrainConfig = field(default_factory=lambda: TrainConfig(steps=150, checkpoint_every=50, log_every=25))
+    calibration: TrainConfig = field(default_factory=lambda: TrainConfig(steps=500, checkpoint_every=100, log_every=50))
     workers: WorkersConfig = field(default_factory=WorkersConfig)
     mlflow_experiment: str = "flexdraft-training"
 

@@ -290,4 +290,6 @@ class Transformer(nn.Module):
         return self.norm(x)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(h)
+        """h [..., d] -> [..., V], as one 2-D GEMM: a strided h of 3+ dims (e.g. draft slots 1..B of blocks)
+        would make matmul broadcast the LM head's weight into a batched GEMM, copying it per batch entry"""
+        return self.lm_head(h.reshape(-1, h.shape[-1])).view(*h.shape[:-1], -1)
