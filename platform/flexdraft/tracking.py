@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from flexdraft.config import data_dir
+from flexdraft.config import cpuinfo, data_dir
 
 
 def tracking_uri() -> str:
@@ -43,11 +43,7 @@ def hardware() -> dict[str, str]:
         "torch": torch.__version__,
         "python": platform.python_version(),
     }
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                info["cpu"] = line.split(":", 1)[1].strip()
-                break
+    info["cpu"] = cpuinfo("model name") or info["cpu"]
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
         info["gpu_count"] = str(torch.cuda.device_count())
