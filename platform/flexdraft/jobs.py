@@ -202,7 +202,9 @@ def train_func(config: dict) -> None:
     drafter = (Drafter.from_target(target, cfg.drafter) if stage == "attention"
                else load_drafter(cfg.drafter_dir("attention"), target))
     params = drafter.parameters_for(stage)
-    optimizer = torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay)
+    # fused: one vectorised pass over DeepSpeed's flat fp32 partition (5 ms against 51 ms per step on one CPU
+    # thread for the 10.6M entries of a k = 24 drafter's half)
+    optimizer = torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay, fused=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(tc))
     engine, optimizer, _, scheduler = deepspeed.initialize(
         model=drafter, optimizer=optimizer, lr_scheduler=scheduler, model_parameters=params,
