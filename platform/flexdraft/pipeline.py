@@ -29,7 +29,7 @@ class DistillConfig:
 class TrainConfig:
     # Many small steps beat few large ones at equal compute (measured, SmolLM2 k=12, 6 CPU-minutes: 185 steps
     # of 1 sequence x 16 blocks reach the validation tau that 100 steps of 4 x 40 reached in 36 CPU-minutes)
-    steps: int = 1300  # optimizer steps (each worker: batch_size sequences per step)
+    steps: int = 1500  # optimizer steps (each worker: batch_size sequences per step)
     batch_size: int = 1  # sequences per worker per step
     anchors_per_seq: int = 16  # blocks per sequence per step
     max_seq_len: int = 384  # sequences are cut to this many tokens
@@ -84,7 +84,7 @@ class PipelineConfig:
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
     attention: TrainConfig = field(default_factory=TrainConfig)
-    calibration: TrainConfig = field(default_factory=lambda: TrainConfig(steps=500, checkpoint_every=100, log_every=50))
+    calibration: TrainConfig = field(default_factory=lambda: TrainConfig(steps=200, checkpoint_every=100, log_every=50))
     workers: WorkersConfig = field(default_factory=WorkersConfig)
     mlflow_experiment: str = "flexdraft-training"
 
