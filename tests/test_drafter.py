@@ -63,6 +63,34 @@ def test_init_copy_drafter_reproduces_target_on_true_tokens(tiny, tuned_attentio
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("tuned_attention", ["causal", "bidirectional"])
+def test_known_bonus_drafts_the_targets_own_next_token(tiny, tuned_attention):
+    """A known bonus in slot 0 is a clean token: whatever the tuned projectors (randomised here), its final
+    hidden state equals the target's at that position (fp32, 1e-5), so d_1 = the target's next token; the
+    sequential engine path (blocks written in the cache) gives the same. A masked slot 0 does not."""
+    torch.manual_seed(0)
+    drafter = Drafter.from_target(tiny, DrafterConfig(k=2, block_size=4, tuned_attention=tuned_attention))
+    for p in drafter.attn.parameters():
+        p.add_(0.5 * torch.randn_like(p))
+    seqs = sequences(tiny.args.vocab_size)
+    cache, h = target_pass(tiny, seqs)
+    anchors = torch.tensor([[5, 7, 20], [9, 10, 30]])
+    known = torch.tensor([[True, False, True], [True, True, False]])
+    got = draft_hidden(drafter, tiny, seqs, cache, anchors, known)[:, :, 0]  # [R, A, d]
+    want = h.gather(1, (anchors + 1)[..., None].expand(-1, -1, h.shape[-1]))
+    torch.testing.assert_close(got[known], want[known], atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(got[~known], want[~known], atol=1e-2)
+
+    from flexdraft.models.transformer import KVCache
+    row = seqs.tokens[:1, :11]  # the sequential engine's pass: a block at the row's length, bonus = token 10
+    part = KVCache(tiny.args, 1, 40, torch.float32, "cpu")
+    tiny(row[:, :10], torch.arange(10)[None], part)
+    part.lens[:] = 10
+    inputs = drafter.slot_inputs(tiny, row[:, 10], torch.ones(1, dtype=torch.bool))
+    torch.testing.assert_close(drafter.forward_in_cache(tiny, inputs, part)[:, 0], h[:1, 10], atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
 def test_blocks_are_isolated_and_see_only_their_prefix(tiny):
     """Perturbing one block's slot-0 token leaves the other blocks bit-identical; cached keys past a block's
     anchor never reach it; the drafter never writes the target's cache."""
@@ -140,14 +168,12 @@ def test_save_load_roundtrip_and_base_mismatch(tiny, tmp_path):
     with pytest.raises(FlexDraftError, match="other base weights"):
         load_drafter(tmp_path / "d", other)
 
-    # format 1 calibrated with unnormalised MLP inputs: refused; its attention-tuning output (MLP untrained) loads
-    meta.update(format="flexdraft-drafter/1", stage="calibration", config=drafter.config.__dict__)
-    (tmp_path / "d" / "drafter.json").write_text(json.dumps(meta))
-    with pytest.raises(FlexDraftError, match="rerun calibration"):
-        load_drafter(tmp_path / "d", tiny)
-    meta["stage"] = "attention"
-    (tmp_path / "d" / "drafter.json").write_text(json.dumps(meta))
-    assert load_drafter(tmp_path / "d", tiny).config == drafter.config
+    # formats 1 and 2 drafted with a known bonus on the tuned projectors: refused, with what to do
+    for old in ("flexdraft-drafter/1", "flexdraft-drafter/2"):
+        meta.update(format=old, stage="attention", config=drafter.config.__dict__)
+        (tmp_path / "d" / "drafter.json").write_text(json.dumps(meta))
+        with pytest.raises(FlexDraftError, match="older FlexDraft.*train it again"):
+            load_drafter(tmp_path / "d", tiny)
 
 
 def test_fingerprint_ignores_dtype(tiny, tmp_path):
@@ -181,7 +207,8 @@ def test_in_cache_drafting_equals_the_copying_block_forward(tiny, tuned_attentio
     inputs = drafter.slot_inputs(tiny, torch.tensor([5, 9, 11]), torch.ones(3, dtype=torch.bool))  # [3, 5, d]
     pos = cache.lens[:, None] + torch.arange(5)
     ctx = (torch.arange(40) < cache.lens[:, None, None]).expand(3, 5, 40)
-    want = drafter(tiny, inputs, pos, torch.zeros_like(pos), cache, ctx)
+    clean = (torch.arange(5) == 0).expand(3, 5)  # slot 0: the known bonus
+    want = drafter(tiny, inputs, pos, torch.zeros_like(pos), cache, ctx, clean=clean)
     got = drafter.forward_in_cache(tiny, inputs, cache)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert all(torch.equal(a, k[r, :, :n]) for a, (k, (r, n)) in

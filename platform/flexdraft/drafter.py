@@ -10,6 +10,11 @@ at position p+1+j. Slots enter at layer e. In layers e..s-1 they run through the
 and attend causally within their block; in layers s..L-1 they use the drafter's projectors Q'K'V'O' and
 attend to their whole block (bidirectional). In every layer they also attend to the target's cached keys
 and values of the prefix (slots <= p), which they never modify: the target's own path is untouched.
+
+A known bonus in slot 0 is a clean token: it takes the target's own path in every layer (its projectors,
+attending to the prefix and itself only), so its output is exactly the target's next-token distribution at
+p+1 and it is the block's first draft; the mask slots see it as they see the prefix. Slot 1 drafts the same
+position and goes unused then (`draft_slots`). A masked slot 0 (the bonus not known yet) is a block slot.
 """
 from __future__ import annotations
 
@@ -26,9 +31,7 @@ from flexdraft.errors import FlexDraftError
 from flexdraft.models.config import ModelArgs
 from flexdraft.models.transformer import Attention, KVCache, Transformer, attend, grouped_bias
 
-FORMAT = "flexdraft-drafter/2"  # 2: the calibration MLP normalises its inputs
-# format 1 drafters still load when their calibration MLP was never trained (attention-tuning output)
-UNCALIBRATED_FORMATS = ("flexdraft-drafter/1",)
+FORMAT = "flexdraft-drafter/3"  # 2: the calibration MLP normalises its inputs; 3: a known bonus takes the target's path
 WEIGHTS, META = "drafter.safetensors", "drafter.json"
 
 
@@ -113,12 +116,14 @@ class Drafter(nn.Module):
         return [p for p in self.parameters() if p.requires_grad]
 
     def block_masks(self, target: Transformer, pos: torch.Tensor, block_of: torch.Tensor,
-                    ctx_mask: torch.Tensor) -> list[torch.Tensor]:
+                    ctx_mask: torch.Tensor, clean: torch.Tensor | None) -> list[torch.Tensor]:
         """Attention masks of block slots for the shallow (causal in-block) and the tuned layers, over
         [ctx slots ; block slots]: bool [R, 1, N, S + N], or additive biases on the bf16-on-CPU path."""
         same = block_of[:, :, None] == block_of[:, None, :]  # [R, N, N]
         causal = same & (pos[:, None, :] <= pos[:, :, None])
         tuned = same if self.config.tuned_attention == "bidirectional" else causal
+        if clean is not None:  # a clean slot attends as the target's token would: causally
+            tuned = torch.where(clean[:, :, None], causal, tuned)
         masks = [torch.cat((ctx_mask, m), dim=-1)[:, None] for m in (causal, tuned)]
         if target.math_attention:
             group = self.args.n_heads // self.args.n_kv_heads
@@ -126,26 +131,42 @@ class Drafter(nn.Module):
         return masks
 
     def block_layer(self, target: Transformer, layer_idx: int, x: torch.Tensor, cos, sin, context,
-                    masks: list[torch.Tensor]) -> torch.Tensor:
+                    masks: list[torch.Tensor], clean: tuple | None) -> torch.Tensor:
         """One layer for block slots x [R, N, d] -> [R, N, d]. context(k, v) -> the keys/values [R, Hkv, S', D]
-        the slots attend over, given the block's own [R, Hkv, N, D]."""
+        the slots attend over, given the block's own [R, Hkv, N, D]. clean: (rows, slots) indices of clean
+        slots, which use the target's projectors in the tuned layers too."""
         layer = target.layers[layer_idx]
         is_tuned = layer_idx >= self.first_tuned
         attn = self.attn[layer_idx - self.first_tuned] if is_tuned else layer.self_attn
-        q, k, v = attn.project(layer.input_layernorm(x), cos, sin)
+        hx = layer.input_layernorm(x)
+        q, k, v = attn.project(hx, cos, sin)
+        own = is_tuned and clean is not None
+        if own:  # overwrite the clean slots' q, k, v [R, H, N, D] with the target's: [M, H, D] at (r, :, n)
+            r, n = clean
+            qc, kc, vc = layer.self_attn.project(hx[r, n][None], cos[r, 0, n][None, None], sin[r, 0, n][None, None])
+            q, k, v = q.clone(), k.clone(), v.clone()
+            q[r, :, n], k[r, :, n], v[r, :, n] = qc[0].transpose(0, 1), kc[0].transpose(0, 1), vc[0].transpose(0, 1)
         keys, values = context(k, v)
-        x = x + attn.output(attend(q, keys, values, masks[is_tuned]))
+        y = attend(q, keys, values, masks[is_tuned])  # [R, H, N, D]
+        out = attn.output(y)
+        if own:
+            out = out.clone()
+            out[r, n] = layer.self_attn.output(y[r, :, n].transpose(0, 1)[None])[0]
+        x = x + out
         return x + layer.mlp(layer.post_attention_layernorm(x))
 
     def forward(self, target: Transformer, inputs: torch.Tensor, pos: torch.Tensor, block_of: torch.Tensor,
-                cache: KVCache, ctx_mask: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+                cache: KVCache, ctx_mask: torch.Tensor, rows: torch.Tensor | None = None,
+                clean: torch.Tensor | None = None) -> torch.Tensor:
         """Draft blocks -> final-normed hidden states [R, N, d] (logits: `target.logits`).
 
         inputs [R, N, d]: slot input embeddings; pos [R, N]: slot positions; block_of [R, N]: the block each
         slot belongs to (a block never sees another); cache: the target's cache, read only; ctx_mask
         [R, N, S]: the cached slots each block slot may see (its prefix); rows [R]: the cache rows these
-        blocks read (default: cache row r for block row r)."""
-        masks = self.block_masks(target, pos, block_of, ctx_mask)
+        blocks read (default: cache row r for block row r); clean [R, N]: slots holding a known bonus (see the
+        module docstring)."""
+        masks = self.block_masks(target, pos, block_of, ctx_mask, clean)
+        clean_idx = clean.nonzero(as_tuple=True) if clean is not None and bool(clean.any()) else None
         S = ctx_mask.shape[-1]
         x = inputs
         cos, sin = target.rope(pos, x.dtype)
@@ -156,24 +177,30 @@ class Drafter(nn.Module):
             def after_prefix(k, v, ctx_k=ctx_k, ctx_v=ctx_v):  # -> [R, Hkv, S + N, D]
                 return torch.cat((ctx_k, k), dim=2), torch.cat((ctx_v, v), dim=2)
 
-            x = self.block_layer(target, i, x, cos, sin, after_prefix, masks)
+            x = self.block_layer(target, i, x, cos, sin, after_prefix, masks, clean_idx)
         return target.norm(x)
 
-    def forward_in_cache(self, target: Transformer, inputs: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def forward_in_cache(self, target: Transformer, inputs: torch.Tensor, cache: KVCache,
+                         bonus_known: bool = True) -> torch.Tensor:
         """One block per cache row, at the row's length: inputs [R, T, d] -> final-normed hidden [R, T, d].
 
         The same computation as `forward` for such blocks, without copying the prefix's keys/values: each
         layer writes the block's keys/values into the cache at slots lens .. lens+T-1, past the row's length
         (scratch that the next write there replaces; the row's length is unchanged), and attends over the
         cache: causally in the shallow layers (slot <= own position), to the prefix and the whole block in
-        the tuned ones (slot < lens + T, or causal when so configured)."""
+        the tuned ones (slot < lens + T, or causal when so configured). bonus_known: slot 0 is a clean token."""
         R, T, _ = inputs.shape
         pos = cache.lens[:, None] + torch.arange(T, device=inputs.device)  # [R, T]
         span = int(pos.max()) + 1
         slots = torch.arange(span, device=inputs.device)
         causal = slots <= pos[..., None]  # [R, T, span]
         whole = (slots < (cache.lens + T)[:, None, None]).expand(R, T, span)
-        masks = [m[:, None] for m in (causal, whole if self.config.tuned_attention == "bidirectional" else causal)]
+        tuned = whole if self.config.tuned_attention == "bidirectional" else causal
+        clean_idx = None
+        if bonus_known:
+            tuned = torch.cat((causal[:, :1], tuned[:, 1:]), dim=1)
+            clean_idx = (torch.arange(R, device=inputs.device), torch.zeros(R, dtype=torch.long, device=inputs.device))
+        masks = [m[:, None] for m in (causal, tuned)]
         if target.math_attention:
             masks = [grouped_bias(m, self.args.n_heads // self.args.n_kv_heads) for m in masks]
         x = inputs
@@ -183,7 +210,7 @@ class Drafter(nn.Module):
                 cache.write(i, pos, k, v)
                 return cache.k[i][:, :, :span], cache.v[i][:, :, :span]
 
-            x = self.block_layer(target, i, x, cos, sin, in_cache, masks)
+            x = self.block_layer(target, i, x, cos, sin, in_cache, masks, clean_idx)
         return target.norm(x)
 
     def slot_inputs(self, target: Transformer, bonus: torch.Tensor, bonus_known: torch.Tensor) -> torch.Tensor:
@@ -192,6 +219,12 @@ class Drafter(nn.Module):
         x = self.mask_embedding.to(target.dtype).expand(shape).clone()
         x[..., 0, :] = torch.where(bonus_known[..., None], target.embed_tokens(bonus), x[..., 0, :])
         return x
+
+    @staticmethod
+    def draft_slots(block: int, bonus_known: bool) -> list[int]:
+        """The slots whose outputs are drafts d_1..d_block of a block of block + 1 slots: with a known bonus,
+        slot 0 (the target's own next token) and slots 2..block; with a masked slot 0, slots 1..block."""
+        return [0, *range(2, block + 1)] if bonus_known else list(range(1, block + 1))
 
     def calibrate(self, target: Transformer, h: torch.Tensor, bonus: torch.Tensor) -> torch.Tensor:
         """h [..., d] draft hidden states, bonus [...] the bonus token of each -> corrected hidden states
@@ -237,11 +270,10 @@ def read_drafter_meta(folder: str | Path) -> dict:
         meta = json.loads((folder / META).read_text())
     except json.JSONDecodeError as e:
         raise FlexDraftError(f"{folder / META} is not valid JSON: {e}") from None
-    if meta.get("format") in UNCALIBRATED_FORMATS:
-        if meta.get("stage") != "attention":
-            raise FlexDraftError(f"{folder}: calibrated by an older FlexDraft ({meta['format']}, whose calibration MLP "
-                                 "took unnormalised inputs): rerun calibration (flexdraft calibrate --config ...)")
-    elif meta.get("format") != FORMAT:
+    if meta.get("format") in ("flexdraft-drafter/1", "flexdraft-drafter/2"):
+        raise FlexDraftError(f"{folder}: trained by an older FlexDraft ({meta['format']}: a known bonus took the tuned "
+                             "projectors); train it again (flexdraft pipeline --config ...)")
+    if meta.get("format") != FORMAT:
         raise FlexDraftError(f"{folder / META}: unknown drafter format {meta.get('format')!r} (expected {FORMAT})")
     return meta
 

@@ -505,7 +505,8 @@ class Engine:
         self._set_drafts(rows, logits)
 
     def _draft_forward(self, rows: torch.Tensor, Bv: int) -> torch.Tensor:
-        """-> draft logits [r, Bv, V] of a block at each row's length (slot 0 = the bonus, at its position)."""
+        """-> draft logits [r, Bv, V] of a block at each row's length (slot 0 = the bonus, at its position: its
+        output, the target's own next token, is d_1)."""
         dev, T = self.target.device, Bv + 1
         inputs = self.drafter.slot_inputs(self.target, self.bonus[rows], torch.ones_like(rows, dtype=torch.bool))
         first = int(rows[0])
@@ -516,8 +517,10 @@ class Engine:
             pos = lens[:, None] + torch.arange(T, device=dev)  # [r, T]
             S = int(lens.max())
             ctx = (torch.arange(S, device=dev) < lens[:, None, None]).expand(-1, T, S)  # [r, T, S]: the prefix
-            h = self.drafter(self.target, inputs[:, :T], pos, torch.zeros_like(pos), self.cache, ctx, rows=rows)
-        return self.target.logits(h[:, 1:])
+            clean = (torch.arange(T, device=dev) == 0).expand(rows.numel(), T)  # slot 0: the known bonus
+            h = self.drafter(self.target, inputs[:, :T], pos, torch.zeros_like(pos), self.cache, ctx, rows=rows,
+                             clean=clean)
+        return self.target.logits(h[:, self.drafter.draft_slots(Bv, bonus_known=True)])
 
     def _verify(self, n: int, plan: Plan, out, stats: StepStats) -> None:
         """Target forward over [bonus, d_1..d_Bv] of rows 0..n-1 (+ branches in parallel mode), acceptance,

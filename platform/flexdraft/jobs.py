@@ -98,10 +98,12 @@ def _stage_config(cfg: PipelineConfig, stage: str) -> TrainConfig:
 
 def run_key(cfg: PipelineConfig, stage: str) -> str:
     """Identifies a training run: the same key resumes, any config change starts afresh."""
+    # the drafter format too: after a format change (e.g. 3: a known bonus takes the target's path) no stage
+    # may resume from an older format's Ray Train checkpoint
     parts = [cfg.model, asdict(cfg.drafter), asdict(_stage_config(cfg, stage)), asdict(cfg.distill),
-             cfg.workers.num_workers]
-    if stage == "calibration":  # the drafter format too: a format change (e.g. 2: normalised MLP inputs) must
-        parts += [asdict(cfg.attention), FORMAT]  # not resume from an older format's Ray Train checkpoint
+             cfg.workers.num_workers, FORMAT]
+    if stage == "calibration":
+        parts.append(asdict(cfg.attention))
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:10]
 
 

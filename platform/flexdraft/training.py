@@ -93,9 +93,18 @@ def draft_hidden(drafter: Drafter, target: Transformer, seqs: Sequences, cache: 
     ctx = torch.arange(T, device=anchors.device) <= anchors[..., None]  # [R, A, T]: the prefix up to p
     ctx = ctx[:, :, None].expand(R, A, B1, T)
     N = A * B1
+    clean = bonus_known[..., None] & (torch.arange(B1, device=anchors.device) == 0)  # [R, A, B+1]: known slot 0
     h = drafter(target, inputs.reshape(R, N, -1), pos.reshape(R, N), block_of.reshape(R, N), cache,
-                ctx.reshape(R, N, T))
+                ctx.reshape(R, N, T), clean=clean.reshape(R, N))
     return h.view(R, A, B1, -1)
+
+
+def draft_outputs(h: torch.Tensor, bonus_known: torch.Tensor) -> torch.Tensor:
+    """Slot hidden states [R, A, B+1, d] -> those that draft d_1..d_B [R, A, B, d] (Drafter.draft_slots)."""
+    B = h.shape[2] - 1
+    slots = [torch.tensor(Drafter.draft_slots(B, known), device=h.device) for known in (False, True)]
+    idx = torch.where(bonus_known[..., None], slots[1], slots[0])  # [R, A, B]
+    return h.gather(2, idx[..., None].expand(*idx.shape, h.shape[-1]))
 
 
 def gather_positions(x: torch.Tensor, anchors: torch.Tensor, B: int) -> torch.Tensor:
@@ -115,8 +124,8 @@ def slot_weights(B: int, decay: float, device) -> torch.Tensor:
 
 def block_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, valid: torch.Tensor, weights: torch.Tensor,
                kind: str) -> torch.Tensor:
-    """draft/target logits [R, A, B, V], valid [R, A], weights [B] -> weighted mean over valid slots of
-    CE(draft, argmax target) ("ce") or KL(p_target || q_draft) ("kl")."""
+    """draft/target logits [R, A, B, V], valid [R, A] (blocks) or [R, A, B] (slots), weights [B] -> weighted
+    mean over valid slots of CE(draft, argmax target) ("ce") or KL(p_target || q_draft) ("kl")."""
     logq = draft_logits.float().log_softmax(-1)
     if kind == "ce":
         per_slot = -logq.gather(-1, target_logits.argmax(-1, keepdim=True)).squeeze(-1)  # [R, A, B]
@@ -125,7 +134,7 @@ def block_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, valid: t
         per_slot = (logp.exp() * (logp - logq)).sum(-1)
     else:
         raise FlexDraftError(f"unknown loss {kind!r}: ce or kl")
-    w = weights * valid[..., None].float()  # [R, A, B]
+    w = weights * (valid if valid.dim() == 3 else valid[..., None]).float()  # [R, A, B]
     return (per_slot * w).sum() / w.sum().clamp(min=1e-9)
 
 
@@ -145,15 +154,20 @@ def training_step(drafter: Drafter, target: Transformer, seqs: Sequences, stage:
     anchors, valid = sample_anchors(seqs, B, anchors_per_seq, generator)
     with torch.no_grad():
         target_logits = target.logits(gather_positions(h, anchors, B))  # [R, A, B, V]
+    weights = slot_weights(B, decay, anchors.device)  # [B]
+    slot_valid = valid  # [R, A], or [R, A, B] where some slots of a block do not count
     if stage == "attention":
         bonus_known = (torch.rand(anchors.shape, generator=generator) < 0.5).to(anchors.device)
-        hd = draft_hidden(drafter, target, seqs, cache, anchors, bonus_known)[:, :, 1:]
+        hd = draft_outputs(draft_hidden(drafter, target, seqs, cache, anchors, bonus_known), bonus_known)
+        # a known bonus's draft d_1 is the target's own prediction (nothing to learn): no loss there
+        first = torch.arange(B, device=anchors.device) == 0
+        slot_valid = valid[..., None] & ~(bonus_known[..., None] & first)
     else:
         with torch.no_grad():
             hd = draft_hidden(drafter, target, seqs, cache, anchors, torch.zeros_like(valid))[:, :, 1:]
         bonus = seqs.tokens.gather(1, anchors + 1)[..., None].expand(hd.shape[:-1])
         hd = drafter.calibrate(target, hd, bonus)
-    loss = block_loss(target.logits(hd), target_logits, valid, slot_weights(B, decay, hd.device), loss_kind)
+    loss = block_loss(target.logits(hd), target_logits, slot_valid, weights, loss_kind)
     return StepOutput(loss, int(valid.sum()), int(seqs.lens.sum()))
 
 
@@ -171,7 +185,8 @@ def agreement_counts(drafter: Drafter, target: Transformer, seqs: Sequences, str
     bonus = seqs.tokens.gather(1, anchors + 1)
     out = {"blocks": int(valid.sum())}
     for mode in MODES:
-        hd = draft_hidden(drafter, target, seqs, cache, anchors, torch.full_like(valid, mode == "bonus"))[:, :, 1:]
+        known = torch.full_like(valid, mode == "bonus")
+        hd = draft_outputs(draft_hidden(drafter, target, seqs, cache, anchors, known), known)
         if mode == "mask_calibrated":
             hd = drafter.calibrate(target, hd, bonus[..., None].expand(hd.shape[:-1]))
         agree = (target.logits(hd).float().argmax(-1) == target_tokens) & valid[..., None]  # [R, A, B]
