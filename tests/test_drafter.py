@@ -81,9 +81,8 @@ def test_known_bonus_drafts_the_targets_own_next_token(tiny, tuned_attention):
     torch.testing.assert_close(got[known], want[known], atol=1e-5, rtol=1e-5)
     assert not torch.allclose(got[~known], want[~known], atol=1e-2)
 
-    from flexdraft.models.transformer import KVCache
     row = seqs.tokens[:1, :11]  # the sequential engine's pass: a block at the row's length, bonus = token 10
-    part = KVCache(tiny.args, 1, 40, torch.float32, "cpu")
+    part = tiny.new_cache(1, 40)
     tiny(row[:, :10], torch.arange(10)[None], part)
     part.lens[:] = 10
     inputs = drafter.slot_inputs(tiny, row[:, 10], torch.ones(1, dtype=torch.bool))

@@ -180,15 +180,15 @@ class Drafter(nn.Module):
             x = self.block_layer(target, i, x, cos, sin, after_prefix, masks, clean_idx)
         return target.norm(x)
 
-    def forward_in_cache(self, target: Transformer, inputs: torch.Tensor, cache: KVCache,
-                         bonus_known: bool = True) -> torch.Tensor:
-        """One block per cache row, at the row's length: inputs [R, T, d] -> final-normed hidden [R, T, d].
+    def forward_in_cache(self, target: Transformer, inputs: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """One block per cache row, at the row's length, slot 0 the known bonus (a clean token): inputs [R, T, d]
+        -> final-normed hidden [R, T, d].
 
         The same computation as `forward` for such blocks, without copying the prefix's keys/values: each
         layer writes the block's keys/values into the cache at slots lens .. lens+T-1, past the row's length
         (scratch that the next write there replaces; the row's length is unchanged), and attends over the
         cache: causally in the shallow layers (slot <= own position), to the prefix and the whole block in
-        the tuned ones (slot < lens + T, or causal when so configured). bonus_known: slot 0 is a clean token."""
+        the tuned ones (slot < lens + T, or causal when so configured; causal for slot 0)."""
         R, T, _ = inputs.shape
         pos = cache.lens[:, None] + torch.arange(T, device=inputs.device)  # [R, T]
         span = int(pos.max()) + 1
@@ -196,10 +196,8 @@ class Drafter(nn.Module):
         causal = slots <= pos[..., None]  # [R, T, span]
         whole = (slots < (cache.lens + T)[:, None, None]).expand(R, T, span)
         tuned = whole if self.config.tuned_attention == "bidirectional" else causal
-        clean_idx = None
-        if bonus_known:
-            tuned = torch.cat((causal[:, :1], tuned[:, 1:]), dim=1)
-            clean_idx = (torch.arange(R, device=inputs.device), torch.zeros(R, dtype=torch.long, device=inputs.device))
+        tuned = torch.cat((causal[:, :1], tuned[:, 1:]), dim=1)
+        clean_idx = (torch.arange(R, device=inputs.device), torch.zeros(R, dtype=torch.long, device=inputs.device))
         masks = [m[:, None] for m in (causal, tuned)]
         if target.math_attention:
             masks = [grouped_bias(m, self.args.n_heads // self.args.n_kv_heads) for m in masks]
