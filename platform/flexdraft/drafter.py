@@ -115,20 +115,28 @@ class Drafter(nn.Module):
                 p.requires_grad_(name.startswith("attn.") == (stage == "attention"))
         return [p for p in self.parameters() if p.requires_grad]
 
+    @staticmethod
+    def clean_slots(causal: torch.Tensor, tuned: torch.Tensor, clean: torch.Tensor | None):
+        """Tuned-layer in-block mask [R, N, S'] in which clean slots (clean [R, N]) attend causally, as the
+        target's token would, and their (rows, slots) indices for `block_layer` (None when there are none)."""
+        if clean is None or not bool(clean.any()):
+            return tuned, None
+        return torch.where(clean[:, :, None], causal, tuned), clean.nonzero(as_tuple=True)
+
     def block_masks(self, target: Transformer, pos: torch.Tensor, block_of: torch.Tensor,
-                    ctx_mask: torch.Tensor, clean: torch.Tensor | None) -> list[torch.Tensor]:
+                    ctx_mask: torch.Tensor, clean: torch.Tensor | None) -> tuple[list[torch.Tensor], tuple | None]:
         """Attention masks of block slots for the shallow (causal in-block) and the tuned layers, over
-        [ctx slots ; block slots]: bool [R, 1, N, S + N], or additive biases on the bf16-on-CPU path."""
+        [ctx slots ; block slots]: bool [R, 1, N, S + N], or additive biases on the bf16-on-CPU path; and the
+        clean slots' indices (`clean_slots`)."""
         same = block_of[:, :, None] == block_of[:, None, :]  # [R, N, N]
         causal = same & (pos[:, None, :] <= pos[:, :, None])
-        tuned = same if self.config.tuned_attention == "bidirectional" else causal
-        if clean is not None:  # a clean slot attends as the target's token would: causally
-            tuned = torch.where(clean[:, :, None], causal, tuned)
+        tuned, clean_idx = self.clean_slots(causal, same if self.config.tuned_attention == "bidirectional" else causal,
+                                            clean)
         masks = [torch.cat((ctx_mask, m), dim=-1)[:, None] for m in (causal, tuned)]
         if target.math_attention:
             group = self.args.n_heads // self.args.n_kv_heads
             masks = [grouped_bias(m, group) for m in masks]
-        return masks
+        return masks, clean_idx
 
     def block_layer(self, target: Transformer, layer_idx: int, x: torch.Tensor, cos, sin, context,
                     masks: list[torch.Tensor], clean: tuple | None) -> torch.Tensor:
@@ -165,8 +173,7 @@ class Drafter(nn.Module):
         [R, N, S]: the cached slots each block slot may see (its prefix); rows [R]: the cache rows these
         blocks read (default: cache row r for block row r); clean [R, N]: slots holding a known bonus (see the
         module docstring)."""
-        masks = self.block_masks(target, pos, block_of, ctx_mask, clean)
-        clean_idx = clean.nonzero(as_tuple=True) if clean is not None and bool(clean.any()) else None
+        masks, clean_idx = self.block_masks(target, pos, block_of, ctx_mask, clean)
         S = ctx_mask.shape[-1]
         x = inputs
         cos, sin = target.rope(pos, x.dtype)
@@ -195,9 +202,9 @@ class Drafter(nn.Module):
         slots = torch.arange(span, device=inputs.device)
         causal = slots <= pos[..., None]  # [R, T, span]
         whole = (slots < (cache.lens + T)[:, None, None]).expand(R, T, span)
-        tuned = whole if self.config.tuned_attention == "bidirectional" else causal
-        tuned = torch.cat((causal[:, :1], tuned[:, 1:]), dim=1)
-        clean_idx = (torch.arange(R, device=inputs.device), torch.zeros(R, dtype=torch.long, device=inputs.device))
+        bonus = (torch.arange(T, device=inputs.device) == 0).expand(R, T)  # slot 0: a clean token
+        tuned, clean_idx = self.clean_slots(causal, whole if self.config.tuned_attention == "bidirectional" else causal,
+                                            bonus)
         masks = [m[:, None] for m in (causal, tuned)]
         if target.math_attention:
             masks = [grouped_bias(m, self.args.n_heads // self.args.n_kv_heads) for m in masks]
