@@ -67,7 +67,8 @@ def test_init_copy_drafter_reproduces_target_on_true_tokens(tiny, tuned_attentio
 def test_known_bonus_drafts_the_targets_own_next_token(tiny, tuned_attention):
     """A known bonus in slot 0 is a clean token: whatever the tuned projectors (randomised here), its final
     hidden state equals the target's at that position (fp32, 1e-5), so d_1 = the target's next token; the
-    sequential engine path (blocks written in the cache) gives the same. A masked slot 0 does not."""
+    sequential engine path (blocks written in the cache) gives the same. A masked slot 0 does not. The
+    engine's paired projectors (one GEMM for the target's and the drafter's) change no slot (1e-6)."""
     torch.manual_seed(0)
     drafter = Drafter.from_target(tiny, DrafterConfig(k=2, block_size=4, tuned_attention=tuned_attention))
     for p in drafter.attn.parameters():
@@ -86,7 +87,12 @@ def test_known_bonus_drafts_the_targets_own_next_token(tiny, tuned_attention):
     tiny(row[:, :10], torch.arange(10)[None], part)
     part.lens[:] = 10
     inputs = drafter.slot_inputs(tiny, row[:, 10], torch.ones(1, dtype=torch.bool))
-    torch.testing.assert_close(drafter.forward_in_cache(tiny, inputs, part)[:, 0], h[:1, 10], atol=1e-5, rtol=1e-5)
+    unpaired = drafter.forward_in_cache(tiny, inputs, part)
+    torch.testing.assert_close(unpaired[:, 0], h[:1, 10], atol=1e-5, rtol=1e-5)
+
+    drafter.pair_with(tiny)
+    torch.testing.assert_close(drafter.forward_in_cache(tiny, inputs, part), unpaired, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(draft_hidden(drafter, tiny, seqs, cache, anchors, known)[:, :, 0], got, atol=1e-6, rtol=1e-6)
 
 
 @torch.no_grad()

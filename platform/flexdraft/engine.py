@@ -227,6 +227,8 @@ class Engine:
             for module in drafter.modules():
                 if isinstance(module, Linear):
                     module.pack()
+        if drafter is not None:
+            drafter.pair_with(target)
         self.B = (config.block_size or drafter.config.block_size) if drafter is not None else 0
         self.eos = set(eos_token_ids)
         R, dev = config.max_batch, target.device

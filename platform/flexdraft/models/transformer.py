@@ -172,10 +172,14 @@ class Attention(nn.Module):
 
     def project(self, x, cos, sin):
         """x [B, T, d] -> q [B, H, T, D], k and v [B, Hkv, T, D], with rope (and q/k norm) applied."""
-        B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
+        return self.heads(self.q_proj(x), self.k_proj(x), self.v_proj(x), cos, sin)
+
+    def heads(self, q, k, v, cos, sin):
+        """The projections' outputs q [B, T, H*D], k and v [B, T, Hkv*D] -> `project`'s result."""
+        B, T, _ = q.shape
+        q = q.view(B, T, self.n_heads, self.head_dim)
+        k = k.view(B, T, self.n_kv_heads, self.head_dim)
+        v = v.view(B, T, self.n_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
