@@ -81,7 +81,7 @@ class PairedAttention:
     """Inference only: a tuned layer's target and drafter projectors read in one GEMM for q/k/v and one for o,
     over every block slot; a clean slot keeps the target's half, the others the drafter's. At batch 1 the
     drafter pass is dominated by per-call costs: 2 GEMMs per tuned layer instead of 8 (the clean slot's
-    one-row calls next to the block's) took it from 24.5 to 19.6 ms (SmolLM2, k = 24, bf16, same outputs).
+    one-row calls next to the block's) took it from 25.8 to 21.7 ms (SmolLM2, k = 24, bf16, same outputs).
     The concatenated weights are copies: pair again after changing the drafter's."""
 
     def __init__(self, target_attn: Attention, drafter_attn: Attention):
