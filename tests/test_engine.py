@@ -130,11 +130,15 @@ def test_lossless_with_adversarial_and_perfect_drafts(tiny, drafters, mode, extr
 def test_parallel_clean_path_is_the_plain_verify_up_to_rounding(tmp_path):
     """The verify tokens' hidden states from the parallel forward (3 branches per row riding along from
     layer 0, sharing the clean tokens' GEMMs) equal a plain target forward over the same tokens and cache to
-    fp32 rounding (1e-5), and the cache it leaves up to the verify tokens is the plain forward's; perturbing the branches' mask
-    embedding changes the branches and leaves the clean path bit-identical (nothing flows from them)."""
+    fp32 rounding (1e-5), and the cache it leaves up to the verify tokens is the plain forward's; each branch
+    equals the drafter's own masked block after its anchor (1e-5); perturbing the branches' mask embedding
+    changes the branches and leaves the clean path bit-identical (nothing flows from them)."""
     make_tiny_hf("qwen3", tmp_path)
     model = load_model(tmp_path, CPU32, with_tokenizer=False).model
     drafter = Drafter.from_target(model, DrafterConfig(k=2, block_size=4))
+    for p in drafter.attn.parameters():  # tuned projectors unlike the target's
+        p.data.add_(0.3 * torch.randn_like(p))
+    drafter.pair_with(model)
     prompts = sorted(ragged_prompts(3, seed=2), key=len, reverse=True)
     caches = [model.new_cache(3, 64) for _ in range(2)]
     for c in caches:
@@ -149,6 +153,13 @@ def test_parallel_clean_path_is_the_plain_verify_up_to_rounding(tmp_path):
         for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v):
             for r, n in enumerate((pos[:, -1] + 1).tolist()):  # each row's prefix + verify tokens
                 torch.testing.assert_close(a[r, :, :n], b[r, :, :n], atol=1e-5, rtol=1e-5)
+        for r, j in ((0, 1), (1, 0), (2, 2)):  # branch j of row r: a masked block after verify token anchors[r, j]
+            at = int(pos[r, 0] + anchors[r, j])
+            block_pos = at + 1 + torch.arange(5)[None]
+            inputs = drafter.slot_inputs(model, torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.bool))
+            ctx = (torch.arange(at + 1) <= at).expand(1, 5, at + 1)
+            alone = drafter(model, inputs, block_pos, torch.zeros_like(block_pos), caches[0], ctx, rows=torch.tensor([r]))
+            torch.testing.assert_close(hb[r, j], alone[0], atol=1e-5, rtol=1e-5)
         drafter.mask_embedding.add_(1.0)
         h_par2, hb2 = parallel_forward(model, drafter, tokens, pos, caches[0], anchors)
     assert torch.equal(h_par2, h_par) and not torch.allclose(hb2, hb)

@@ -682,9 +682,12 @@ def parallel_forward(target: Transformer, drafter: Drafter, tokens: torch.Tensor
     (written into the cache by this layer's clean path before the branches read it) and its own block;
     slot 0 is the mask (the bonus is not known yet). Clean and branch tokens share every GEMM whose weights
     they share (norms, the target's projectors below the tuned layers, FFNs): at batch 1 the forward is
-    memory-bound and reading the weights once is what makes the branches nearly free. The clean tokens never
+    memory-bound and reading the weights once is what makes the branches nearly free (in the tuned layers the
+    paired projectors, `Drafter.pair_with`, read both sets at once). The clean tokens never
     attend to a branch token, so their outputs equal a plain verify's up to the rounding of the larger GEMMs
     (fp32: ~1e-6 relative; tested)."""
+    if drafter.paired is None:
+        raise FlexDraftError("parallel_forward needs the drafter paired with the target (Drafter.pair_with)")
     n, T = tokens.shape
     m = anchors.shape[1]
     dev = tokens.device
@@ -716,23 +719,21 @@ def parallel_forward(target: Transformer, drafter: Drafter, tokens: torch.Tensor
         for i, layer in enumerate(target.layers[:e]):
             x = layer(x, cos, sin, clean_mask, cache, i, pos, span)
     xx = torch.cat((x, drafter.mask_embedding.to(x.dtype).expand(n, N, -1)), dim=1)  # [n, T + N, d]
+    is_clean = (torch.arange(T + N, device=dev) < T).expand(n, T + N)
     for i in range(e, target.args.n_layers):
         layer, attn = target.layers[i], target.layers[i].self_attn
         hx = layer.input_layernorm(xx)
-        if i >= s:  # tuned layer: the branches use the drafter's projectors
-            tuned = drafter.attn[i - s]
-            q, k, v = attn.project(hx[:, :T], cos, sin)
-            qb, kb, vb = tuned.project(hx[:, T:], cos_all[:, :, T:], sin_all[:, :, T:])
-            q = torch.cat((q, qb), dim=2)
+        if i >= s:  # tuned layer: the branches use the drafter's projectors (both sets in one GEMM)
+            q, k, v = drafter.paired[i - s].project(hx, cos_all, sin_all, is_clean)
         else:
             q, k, v = attn.project(hx, cos_all, sin_all)
-            k, kb = k.split((T, N), dim=2)
-            v, vb = v.split((T, N), dim=2)
+        k, kb = k.split((T, N), dim=2)
+        v, vb = v.split((T, N), dim=2)
         cache.write(i, pos, k, v)
         cache.write(i, scratch, kb, vb)
         y = attend(q, cache.k[i][:, :, :span + N], cache.v[i][:, :, :span + N], masks[i >= s])  # [n, H, T + N, D]
         if i >= s:
-            out = torch.cat((attn.output(y[:, :, :T]), tuned.output(y[:, :, T:])), dim=1)
+            out = drafter.paired[i - s].output(y, is_clean)
         else:
             out = attn.output(y)
         xx = xx + out

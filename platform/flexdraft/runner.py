@@ -19,7 +19,7 @@ from flexdraft.models.loading import LoadedModel, load_model
 from flexdraft.pipeline import PipelineConfig
 
 
-PROFILE_FORMAT = 6  # bump when Engine.profile measures other shapes or passes: cached profiles are then redone
+PROFILE_FORMAT = 7  # bump when Engine.profile measures other shapes or passes: cached profiles are then redone
 
 
 def default_drafter_dir() -> Path:
