@@ -196,12 +196,9 @@ class Drafter(nn.Module):
         is_tuned = layer_idx >= self.first_tuned
         attn = self.attn[layer_idx - self.first_tuned] if is_tuned else layer.self_attn
         paired = self.paired[layer_idx - self.first_tuned] if is_tuned and clean is not None and self.paired else None
-        hx = layer.input_layernorm(x)
-        if paired is not None:
-            q, k, v = paired.project(hx, cos, sin, clean[0])
-        else:
-            q, k, v = attn.project(hx, cos, sin)
         own = is_tuned and clean is not None and paired is None
+        hx = layer.input_layernorm(x)
+        q, k, v = paired.project(hx, cos, sin, clean[0]) if paired is not None else attn.project(hx, cos, sin)
         if own:  # overwrite the clean slots' q, k, v [R, H, N, D] with the target's: [M, H, D] at (r, :, n)
             _, r, n = clean
             qc, kc, vc = layer.self_attn.project(hx[r, n][None], cos[r, 0, n][None, None], sin[r, 0, n][None, None])
@@ -209,10 +206,7 @@ class Drafter(nn.Module):
             q[r, :, n], k[r, :, n], v[r, :, n] = qc[0].transpose(0, 1), kc[0].transpose(0, 1), vc[0].transpose(0, 1)
         keys, values = context(k, v)
         y = attend(q, keys, values, masks[is_tuned])  # [R, H, N, D]
-        if paired is not None:
-            out = paired.output(y, clean[0])
-        else:
-            out = attn.output(y)
+        out = paired.output(y, clean[0]) if paired is not None else attn.output(y)
         if own:
             out = out.clone()
             out[r, n] = layer.self_attn.output(y[r, :, n].transpose(0, 1)[None])[0]

@@ -711,13 +711,12 @@ def parallel_forward(target: Transformer, drafter: Drafter, tokens: torch.Tensor
     if target.math_attention:
         masks = [grouped_bias(mk, group) for mk in masks]
     x = target.embed_tokens(tokens)
-    cos, sin = target.rope(pos, x.dtype)
     cos_all, sin_all = target.rope(torch.cat((pos, bpos), dim=1), x.dtype)  # [n, 1, T + N, D]
     if e:  # below the entry layer only the clean tokens run, exactly as in the target's forward
         clean_mask = clean[:, None, :, :span]
         clean_mask = grouped_bias(clean_mask, group) if target.math_attention else clean_mask
         for i, layer in enumerate(target.layers[:e]):
-            x = layer(x, cos, sin, clean_mask, cache, i, pos, span)
+            x = layer(x, cos_all[:, :, :T], sin_all[:, :, :T], clean_mask, cache, i, pos, span)
     xx = torch.cat((x, drafter.mask_embedding.to(x.dtype).expand(n, N, -1)), dim=1)  # [n, T + N, d]
     is_clean = (torch.arange(T + N, device=dev) < T).expand(n, T + N)
     for i in range(e, target.args.n_layers):
