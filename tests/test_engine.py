@@ -17,7 +17,7 @@ from flexdraft.training import Sequences, training_step
 
 CPU32 = RuntimeConfig(device="cpu", dtype="float32", threads=1, cpu_prepack=False)
 EOS = 2
-MODES = [("sequential", {}), ("parallel", {}), ("parallel", {"top_m": 2}), ("parallel", {"rho": 0.6}),
+MODES = [("sequential", {}), ("parallel", {}), ("parallel", {"top_m": 2}), ("tree", {}), ("parallel", {"rho": 0.6}),
          ("adaptive", {"switch_batch": 3}), ("adaptive", {"switch_batch": 3, "cost_model": False})]
 
 
@@ -84,6 +84,9 @@ class OracleEngine(Engine):
             drafts = torch.tensor(ref[: self.B]) + (1 if self.wrong else 0)
             self.drafts[row, : self.B] = drafts % V
             self.conf[row, : self.B] = 1.0
+            K = self.cand.shape[-1]  # tree candidates: the draft first, then tokens that are never right
+            self.cand[row, : self.B] = (drafts[:, None] + torch.arange(K) * (2 if self.wrong else 1)) % V
+            self.cand_logp[row, : self.B] = -torch.arange(K, dtype=torch.float32)
 
 
 @pytest.mark.parametrize("batch", [1, 3, 16])
@@ -108,7 +111,7 @@ def test_speculative_greedy_equals_ar_greedy(tiny, drafters, batch, mode, extra)
         assert taus["trained"] > taus["random"]  # the training fixture really trains
 
 
-@pytest.mark.parametrize("mode,extra", MODES[:3], ids=["sequential", "parallel", "parallel-pruned"])
+@pytest.mark.parametrize("mode,extra", MODES[:4], ids=["sequential", "parallel", "parallel-pruned", "tree"])
 @pytest.mark.parametrize("wrong", [False, True], ids=["always-right", "always-wrong"])
 def test_lossless_with_adversarial_and_perfect_drafts(tiny, drafters, mode, extra, wrong):
     """Drafts forced to the reference continuation (every draft accepted: Bv + 1 tokens per forward) or to a
@@ -125,6 +128,57 @@ def test_lossless_with_adversarial_and_perfect_drafts(tiny, drafters, mode, extr
     assert set(accepted) == ({0} if wrong else {4}) or (not wrong and max(accepted) == 4)
     if not wrong and mode == "parallel":
         assert engine.totals["pruned_misses"] == 0  # full confidence in every draft: branch Bv is kept
+
+
+class SecondChoiceEngine(Engine):
+    """Tree candidates where the reference token is the drafter's first choice at every slot but the second,
+    whose first choice is wrong (the chain's draft there never passes)."""
+
+    def __init__(self, *args, reference: dict, second: int, **kw):
+        super().__init__(*args, **kw)
+        self.reference, self.second = reference, second
+
+    def _set_drafts(self, rows, logits, from_branch=False):
+        super()._set_drafts(rows, logits, from_branch)
+        V, K = self.target.args.vocab_size, self.cand.shape[-1]
+        for row in rows.tolist():
+            req = self.slots[row]
+            ref = torch.tensor((self.reference[tuple(req.prompt)][len(req.tokens):] + [0] * self.B)[: self.B])
+            cand = (ref[:, None] + torch.arange(max(K, 2))) % V  # [B, K]: the reference first
+            cand[self.second - 1, :2] = cand[self.second - 1, :2].flip(0)  # ... except at slot `second`
+            self.cand[row, : self.B], self.drafts[row, : self.B] = cand[:, :K], cand[:, 0]
+            self.cand_logp[row, : self.B] = torch.tensor([-0.1, -0.2, -5.0, -5.0][:K] + [-5.0] * (K - 4))
+
+
+def test_tree_accepts_a_path_through_a_second_choice(tiny, drafters):
+    """Tree mode, 5 ragged greedy rows: where slot 2's first choice is wrong and its second is right, the
+    24-node tree still accepts all 4 drafts every step (a path whose nodes are not the first in their depth:
+    their cached keys/values must move to the chain's slots) while the chain accepts 1; both equal AR greedy.
+    A sampled row in the batch turns tree steps into sequential ones (trees verify greedy rows only) without
+    changing the greedy rows."""
+    prompts = ragged_prompts(5, seed=13)
+    params = SamplingParams(max_new_tokens=25)
+    ref = [g.token_ids for g in generate(tiny, prompts, params)]
+    reference = {tuple(p): r for p, r in zip(prompts, ref)}
+    accepted = {}
+    for mode in ("tree", "sequential"):
+        engine = SecondChoiceEngine(tiny, drafters["random"], EngineConfig(mode=mode, max_batch=5, max_len=96,
+                                                                         tree_nodes=24), reference=reference, second=2)
+        out = engine.generate(prompts, params)
+        assert [g.token_ids for g in out] == ref, mode
+        accepted[mode] = [g.extra["accepted_lengths"][:-1] for g in out]  # the last step may pass max_new_tokens
+    assert all(set(a) == {4} for a in accepted["tree"])
+    assert all(set(a) <= {0, 1} for a in accepted["sequential"])
+
+    engine = Engine(tiny, drafters["trained"], EngineConfig(mode="tree", max_batch=6, max_len=96))
+    ids = [engine.add_request(p, params) for p in prompts]
+    engine.add_request(prompts[0], SamplingParams(max_new_tokens=6, temperature=1.0, seed=0))
+    modes = []
+    while engine.has_work():
+        engine.step()
+        modes.append(engine.last_stats.mode)
+    assert [engine.result(i).token_ids for i in ids] == ref
+    assert modes[0] == "sequential" and "tree" in modes
 
 
 def test_parallel_clean_path_is_the_plain_verify_up_to_rounding(tmp_path):
@@ -290,8 +344,8 @@ DEFAULT_DRAFTER = Path.home() / ".flexdraft/pipelines/smollm2-default/drafter"
 
 @pytest.mark.real_model
 def test_real_model_greedy_lossless_with_trained_drafter(real_lm, gsm8k_prompts):
-    """Bundled SmolLM2 in fp32, 4 GSM8K chat prompts, 48 new tokens: sequential, parallel (top-3 branches) and
-    adaptive output equals AR greedy, with the drafter trained by the default pipeline when it exists here
+    """Bundled SmolLM2 in fp32, 4 GSM8K chat prompts, 48 new tokens: sequential, tree, parallel (top-3 branches)
+    and adaptive output equals AR greedy, with the drafter trained by the default pipeline when it exists here
     (else an untrained one: losslessness holds for any drafter)."""
     model = real_lm.model
     if (DEFAULT_DRAFTER / "drafter.json").is_file():
@@ -302,7 +356,7 @@ def test_real_model_greedy_lossless_with_trained_drafter(real_lm, gsm8k_prompts)
     prompts = gsm8k_prompts[:4]
     params = SamplingParams(max_new_tokens=48)
     ref = [g.token_ids for g in generate(model, prompts, params, real_lm.eos_token_ids)]
-    for mode, extra in (("sequential", {}), ("parallel", {"top_m": 3}), ("adaptive", {})):
+    for mode, extra in (("sequential", {}), ("tree", {}), ("parallel", {"top_m": 3}), ("adaptive", {})):
         engine = Engine(model, drafter, EngineConfig(mode=mode, max_batch=4, max_len=512, **extra),
                         real_lm.eos_token_ids, acceptance_prior=prior)
         assert [g.token_ids for g in engine.generate(prompts, params)] == ref, mode
@@ -322,14 +376,14 @@ NEAR_TIE = 0.5  # logits; 2 bf16 ulps at |logit| in [32, 64), the range of SmolL
 def test_bf16_divergences_happen_only_at_near_ties(real_folder, gsm8k_prompts):
     """Bundled SmolLM2 in bf16: verifying many tokens in one forward may round logits differently from a
     one-token step, which can flip a greedy choice only where the top two logits are within rounding. For
-    sequential and parallel mode, every row either equals AR bf16 or first differs at a position where AR's
+    sequential, tree and parallel mode, every row either equals AR bf16 or first differs at a position where AR's
     own top-2 gap is below NEAR_TIE (on this CPU the oneDNN GEMMs are row-independent: no divergence occurs)."""
     model = load_model(real_folder, RuntimeConfig(device="cpu", dtype="bfloat16", threads=1)).model
     drafter, prior = default_or_init_drafter(model)
     prompts = gsm8k_prompts[:4]
     params = SamplingParams(max_new_tokens=40)
     ref = [g.token_ids for g in generate(model, prompts, params)]
-    for mode, extra in (("sequential", {}), ("parallel", {"top_m": 2})):
+    for mode, extra in (("sequential", {}), ("tree", {}), ("parallel", {"top_m": 2})):
         engine = Engine(model, drafter, EngineConfig(mode=mode, max_batch=4, max_len=512, **extra),
                         acceptance_prior=prior)
         for p, r, g in zip(prompts, ref, engine.generate(prompts, params)):
@@ -345,19 +399,23 @@ def test_bf16_divergences_happen_only_at_near_ties(real_folder, gsm8k_prompts):
 
 def test_adaptive_policy_follows_the_measured_costs(tiny, drafters):
     """With costs where a draft pass costs half a target forward, adaptive plans speculative steps (parallel at
-    <= S rows: one forward; sequential above S); where a draft pass or a forward carrying branches costs 10
-    target forwards, it plans plain AR steps. Without the
-    cost model, the switch rule alone decides: parallel at <= S rows, sequential above."""
-    def engine(draft_cost: float, branch_cost: float, **kw):
+    <= S rows: one forward; sequential above S, or a token tree while a forward's cost hardly grows with its
+    tokens, but no tree where it grows steeply); where a draft pass or a forward carrying branches costs 10
+    target forwards, it plans plain AR steps. Without the cost model, the switch rule alone decides: parallel at
+    <= S rows, sequential above."""
+    def engine(draft_cost: float, branch_cost: float, per_token: float = 1e-5, **kw):
         e = Engine(tiny, drafters["trained"], EngineConfig(mode="adaptive", switch_batch=2, max_batch=8, **kw))
         for tokens in (1, 2, 4, 8, 16, 32, 64, 128, 512):
-            e.costs.record("target", tokens, 0.01 + 1e-5 * tokens)
+            e.costs.record("target", tokens, 0.01 + per_token * tokens)
             e.costs.record("parallel", tokens, branch_cost + 2e-5 * tokens)
             e.costs.record("draft", tokens, draft_cost)
         return e
 
-    cheap, costly = engine(0.005, 0.01), engine(0.1, 0.1)
+    cheap, costly = engine(0.005, 0.01, tree_nodes=0), engine(0.1, 0.1)
     assert cheap._choose(1).mode == "parallel" and cheap._choose(5).mode == "sequential"
     assert costly._choose(5) == costly._choose(1) == type(costly._choose(1))("ar")
+    # token trees: worth it where a forward's cost hardly grows with its tokens, not where it grows fast
+    assert engine(0.005, 0.01)._choose(5).mode == "tree"
+    assert engine(0.005, 0.01, per_token=3e-3)._choose(5).mode != "tree"
     rule = Engine(tiny, drafters["trained"], EngineConfig(mode="adaptive", switch_batch=2, cost_model=False))
     assert [rule._choose(n).mode for n in (1, 2, 3)] == ["parallel", "parallel", "sequential"]

@@ -11,8 +11,10 @@ their full distributions q for sampled rows); `from_branch` says whether a paral
   1. admit waiting requests: prefill, draw the first token (it becomes the row's bonus);
   2. AR mode: one target token per row. Speculative modes: rows without drafts (fresh, pruned, or coming
      from an AR step) get a sequential drafter pass with the bonus known in slot 0; then the target verifies
-     [bonus, d_1..d_Bv] per row. Sequential mode drafts again next step; parallel mode carries candidate
-     draft blocks (branches) through the same verify forward and keeps the one matching the accepted length;
+     [bonus, d_1..d_Bv] per row. Sequential mode drafts again next step; tree mode (greedy rows) verifies a
+     token tree built from each slot's top candidates instead of the chain d_1..d_Bv; parallel mode carries
+     candidate draft blocks (branches) through the same verify forward and keeps the one matching the
+     accepted length;
   3. finished rows leave (the last row moves into the freed one: rows stay contiguous).
 Lossless: every emitted token is the target's argmax (greedy) or drawn by speculative sampling against
 the target's distribution; the drafts only decide how many of them one forward yields.
@@ -32,18 +34,20 @@ from flexdraft.errors import FlexDraftError
 from flexdraft.generate import Generation, SamplingParams, filtered_logits, make_generator, prefill
 from flexdraft.models.transformer import Linear, Transformer, attend, grouped_bias
 
-MODES = ("ar", "sequential", "parallel", "adaptive")
+MODES = ("ar", "sequential", "tree", "parallel", "adaptive")
 
 
 @dataclass
 class EngineConfig:
-    mode: str = "adaptive"  # ar | sequential | parallel | adaptive
+    mode: str = "adaptive"  # ar | sequential | tree | parallel | adaptive
     block_size: int = 0  # drafts verified per step; 0 = the drafter's block size (at most that)
     switch_batch: int = 4  # S: adaptive runs parallel mode at <= S active rows, sequential above
     top_m: int = 0  # parallel: keep at most the m most probable branches per row; 0 = no cap
     rho: float = 1.0  # parallel: keep the most probable branches until they cover this mass; 1 = all
     calibrate: bool = True  # parallel: correct the taken branch with the now-known bonus
-    cost_model: bool = True  # adaptive: per step, pick AR / sequential / parallel and Bv by measured cost
+    cost_model: bool = True  # adaptive: per step, pick AR / sequential / tree / parallel and Bv by measured cost
+    tree_nodes: int = 8  # tree mode (and adaptive's tree option): drafts verified per row as a token tree; 0 = none
+    tree_width: int = 4  # a tree's depth-j nodes are among slot j's top tree_width drafts
     max_batch: int = 16  # rows decoded together; further requests wait
     max_len: int = 0  # cache slots per row (see Engine.slots_needed); 0 = min(2048, context)
 
@@ -59,6 +63,10 @@ class EngineConfig:
             raise FlexDraftError(f"top_m must be >= 0 (0 = no cap), got {self.top_m}")
         if not 0 < self.rho <= 1:
             raise FlexDraftError(f"rho must be in (0, 1], got {self.rho}")
+        if self.tree_nodes < 0 or self.tree_width < 1:
+            raise FlexDraftError(f"tree_nodes must be >= 0 and tree_width >= 1, got {self.tree_nodes}, {self.tree_width}")
+        if self.mode == "tree" and not self.tree_nodes:
+            raise FlexDraftError("mode tree needs tree_nodes >= 1")
         if self.switch_batch < 0:
             raise FlexDraftError(f"switch_batch must be >= 0, got {self.switch_batch}")
         if self.max_batch < 1:
@@ -96,17 +104,22 @@ class _Request:
 
 
 class AcceptanceModel:
-    """Running estimate of P(draft j accepted | drafts 1..j-1 accepted) for sequential (bonus known) and
-    parallel (masked slot 0, calibrated) drafts. Prior, worth `weight` verified blocks: a constant rate r
-    per draft whose expected accepted length sum_j r^j matches the drafter's validation tau (bonus / mask
-    calibrated) when it has one, else r = 0.5."""
+    """Running estimate of P(draft j accepted | drafts 1..j-1 accepted) for sequential (bonus known), tree
+    (bonus known, a token tree verified) and parallel (masked slot 0, calibrated) drafts. Prior, worth
+    `weight` verified blocks: a constant rate r per draft whose expected accepted length sum_j r^j matches
+    the drafter's validation tau (bonus / mask calibrated) when it has one, else r = 0.5; a tree gets
+    1 - (1 - r)^2 (as if each depth had two independent tries: optimistic, so that adaptive tries trees and
+    then goes by what it measures)."""
+
+    KINDS = ("sequential", "tree", "parallel")
 
     def __init__(self, block: int, prior: dict | None = None, weight: float = 20.0):
-        self.tried = {k: torch.full((block,), weight, dtype=torch.float64) for k in ("sequential", "parallel")}
+        self.tried = {k: torch.full((block,), weight, dtype=torch.float64) for k in self.KINDS}
         self.passed = {}
-        for kind, key in (("sequential", "bonus"), ("parallel", "mask_calibrated")):
+        for kind, key in (("sequential", "bonus"), ("tree", "bonus"), ("parallel", "mask_calibrated")):
             tau = (prior or {}).get(f"eval/{key}/tau")
             rate = self._rate_for(tau - 1, block) if tau else 0.5
+            rate = 1 - (1 - rate) ** 2 if kind == "tree" else rate
             self.passed[kind] = torch.full((block,), weight * rate, dtype=torch.float64)
 
     @staticmethod
@@ -207,7 +220,8 @@ class CostModel:
 
 @dataclass(frozen=True)
 class Plan:
-    """What one step does: mode, drafts verified per row, and (parallel) the most branches kept per row."""
+    """What one step does: mode, drafts verified per row (tree: the tree's depth at most), and (parallel) the
+    most branches kept per row."""
     mode: str
     block: int = 0
     branches: int = 0  # 0 = as the config's top_m / rho decide
@@ -238,6 +252,11 @@ class Engine:
         self.conf = torch.zeros(R, max(self.B, 1), dtype=torch.float32, device=dev)  # q_j(d_j)
         self.ndrafts = torch.zeros(R, dtype=torch.long, device=dev)  # valid drafts per row (0: draft first)
         self.from_branch = torch.zeros(R, dtype=torch.bool, device=dev)
+        # token trees (greedy rows): each draft slot's top tree_width candidates and their log-probabilities
+        self.trees = bool(self.B and config.tree_nodes and config.mode in ("tree", "adaptive"))
+        K = config.tree_width if self.trees else 1
+        self.cand = torch.zeros(R, max(self.B, 1), K, dtype=torch.long, device=dev)
+        self.cand_logp = torch.zeros(R, max(self.B, 1), K, dtype=torch.float32, device=dev)
         self.q: torch.Tensor | None = None  # [R, B, V] fp32 draft distributions, allocated for sampling
         self.slots: list[_Request] = []  # request of cache row r
         self.waiting: deque[_Request] = deque()
@@ -275,9 +294,10 @@ class Engine:
 
     def slots_needed(self, prompt_len: int, max_new_tokens: int) -> int:
         """Cache slots a request needs: its tokens, the verify block and, when parallel steps may run, the
-        branch tokens' scratch past the verify block ((B+1)^2 at most)."""
+        branch tokens' scratch past the verify block ((B+1)^2 at most), or a token tree's nodes."""
         branches = (self.B + 1) ** 2 if self.config.mode in ("parallel", "adaptive") else 0
-        return prompt_len + max_new_tokens + self.B + 1 + branches
+        tree = self.config.tree_nodes + 1 if self.trees else 0
+        return prompt_len + max_new_tokens + max(self.B + 1 + branches, tree)
 
     def abort(self, request_id: int) -> None:
         """Drop a waiting or running request; the other rows are untouched."""
@@ -361,8 +381,15 @@ class Engine:
     def _choose(self, n: int) -> Plan:
         """The plan of a step with n rows. Forced modes use the config. Adaptive: parallel mode at
         <= switch_batch rows, sequential above; with the cost model, whichever of AR, sequential with 1/2/4/B
-        drafts and (at <= switch_batch rows) parallel with 1/2/4/B drafts and 1/2/3/all branches promises
-        the most tokens per second (tokens from the acceptance model, seconds from the measured costs)."""
+        drafts, a tree of tree_nodes drafts and (at <= switch_batch rows) parallel with 1/2/4/B drafts and
+        1/2/3/all branches promises the most tokens per second (tokens from the acceptance model, seconds from
+        the measured costs). Trees verify greedy rows only: with a sampled row a tree plan runs sequential."""
+        plan = self._choose_any(n)
+        if plan.mode == "tree" and not all(r.params.greedy for r in self.slots[:n]):
+            return Plan("sequential", plan.block)
+        return plan
+
+    def _choose_any(self, n: int) -> Plan:
         cfg, B = self.config, self.B
         if cfg.mode != "adaptive":
             return Plan(cfg.mode, 0 if cfg.mode == "ar" else B)
@@ -385,6 +412,12 @@ class Engine:
                              + costs.overhead("sequential"))
             if rate > best_rate:
                 best, best_rate = Plan("sequential", Bv), rate
+        if self.trees:
+            rate = n * (1 + acc.expected_accepted("tree", B)) / (
+                costs.seconds("target", n * (self.config.tree_nodes + 1)) + costs.seconds("draft", n * (B + 1))
+                + costs.overhead("tree"))
+            if rate > best_rate:
+                best, best_rate = Plan("tree", B), rate
         for Bv in (sorted({1, 2, 4, B} & set(range(1, B + 1))) if rule == "parallel" else ()):
             p_len = acc.length_distribution("parallel", Bv).sort(descending=True).values
             tokens = n * (1 + acc.expected_accepted("parallel", Bv))
@@ -406,11 +439,12 @@ class Engine:
         if self.drafter is None:
             return {}
         R, B, dev = self.config.max_batch, self.B, self.target.device
-        ctx = min(context, self.config.max_len - (B + 1) * (B + 2))  # room for verify + all branches
+        ctx = min(context, self.config.max_len - max((B + 1) * (B + 2), self.config.tree_nodes + 1))  # verify room
         self.cache.lens.fill_(ctx)
         self.bonus.fill_(0)
         self.drafts.fill_(0)
-        shapes = [("target", n, T, 0) for n in (1, 2, 4, 8, 16, 32, 64) if n <= R for T in (1, B + 1)]
+        verify = (1, B + 1, self.config.tree_nodes + 1) if self.trees else (1, B + 1)
+        shapes = [("target", n, T, 0) for n in (1, 2, 4, 8, 16, 32, 64) if n <= R for T in verify]
         blocks = sorted({2, 3, 5, B + 1} & set(range(2, B + 2)))  # the block lengths the policy weighs
         shapes += [("draft", n, T, 0) for n in (1, 2, 4, 8, 16, 32, 64) if n <= R for T in blocks]
         S = min(self.config.switch_batch, R)
@@ -484,7 +518,11 @@ class Engine:
         """Draft logits [r, Bv, V] of rows -> drafts (argmax, or drawn from q for sampled rows) + confidences."""
         Bv = logits.shape[1]
         cfg = self.config
-        if cfg.mode == "parallel" or (cfg.mode == "adaptive" and len(self.slots) <= cfg.switch_batch):
+        if self.trees:  # a tree step may come next: keep each slot's top candidates (the first is the draft)
+            logp, cand = logits.float().log_softmax(-1).topk(self.cand.shape[-1], dim=-1)  # [r, Bv, K]
+            self.cand[rows, :Bv], self.cand_logp[rows, :Bv] = cand, logp
+            conf, drafts = logp[..., 0].exp(), cand[..., 0]
+        elif cfg.mode == "parallel" or (cfg.mode == "adaptive" and len(self.slots) <= cfg.switch_batch):
             conf, drafts = logits.float().softmax(-1).max(-1)  # [r, Bv]: pruning weighs the confidences
         else:  # no parallel step can come next at this batch size: skip the softmax over the vocabulary
             drafts = logits.float().argmax(-1)
@@ -528,6 +566,8 @@ class Engine:
         """Target forward over [bonus, d_1..d_Bv] of rows 0..n-1 (+ branches in parallel mode), acceptance,
         emission, cache rollback by length."""
         mode, Bv = plan.mode, plan.block
+        if mode == "tree":
+            return self._verify_tree(n, Bv, out, stats)
         dev, T = self.target.device, Bv + 1
         rows = torch.arange(n, device=dev)
         tokens = torch.cat((self.bonus[:n, None], self.drafts[:n, :Bv]), dim=1)  # [n, T]
@@ -541,25 +581,69 @@ class Engine:
         else:
             logits = self._timed(stats, "target", n * T, lambda: self._target_logits(tokens, pos, view))
             hb = None
-        self.totals["target_forwards"] += 1
         accepted, new_bonus = self._accept(logits, tokens[:, 1:], rows)  # [n], [n]
+        kinds = ["parallel" if b else "sequential" for b in self.from_branch[:n].tolist()] if mode != "ar" else None
+        self._commit(n, lens, accepted, new_bonus, self.drafts[:n, :Bv], kinds, Bv, out, stats)
+        if hb is not None:
+            self._take_branches(hb, anchors, accepted, new_bonus, Bv, stats)
+
+    def _commit(self, n, lens, accepted, new_bonus, drafts, kinds, Bv, out, stats) -> None:
+        """After a verify of rows 0..n-1 (old lengths lens [n]): the cache keeps each row's bonus and accepted
+        drafts (the first accepted[r] of drafts [n, >= max accepted], which must sit in the cache's next slots),
+        the new bonus waits for the next step, and the row emits drafts + bonus. kinds: per row, which
+        acceptance statistics the step counts towards (None: an AR step)."""
+        self.totals["target_forwards"] += 1
         self.cache.lens[:n] = lens + accepted + 1
         self.bonus[:n] = new_bonus
         self.ndrafts[:n] = 0
         acc = accepted.tolist()
-        if mode != "ar":
+        if kinds is not None:
             stats.accepted = acc
-            branch = self.from_branch[:n].tolist()
-            for kind, flag in (("parallel", True), ("sequential", False)):
-                self.acceptance.record(kind, Bv, [a for a, b in zip(acc, branch) if b == flag])
-        drafts, bonus = self.drafts[:n, :Bv].tolist(), new_bonus.tolist()
+            for kind in AcceptanceModel.KINDS:
+                self.acceptance.record(kind, Bv, [a for a, k in zip(acc, kinds) if k == kind])
+        drafts, bonus = drafts.tolist(), new_bonus.tolist()
         for r in range(n):
             self.slots[r].forwards += 1
-            if mode != "ar":
+            if kinds is not None:
                 self.slots[r].accepted.append(acc[r])
             self._emit(r, drafts[r][: acc[r]] + [bonus[r]], out)
-        if hb is not None:
-            self._take_branches(hb, anchors, accepted, new_bonus, Bv, stats)
+
+    def _verify_tree(self, n: int, Bv: int, out, stats: StepStats) -> None:
+        """Greedy rows 0..n-1: the target verifies a token tree per row (the bonus, then tree_nodes drafts
+        chosen by `draft_tree` among each slot's top candidates) in one forward; the deepest node whose path
+        equals the target's own greedy continuation is accepted. Node i + 1's keys/values go to cache slot
+        lens + 1 + i; the accepted path's are then moved to lens + 1 .. lens + a, where a chain's would be."""
+        dev = self.target.device
+        lens = self.cache.lens[:n].clone()
+        depth, parent, rank = draft_tree(self.cand_logp[:n, :Bv], self.config.tree_nodes)  # [n, N]
+        N = depth.shape[1]
+        nodes = self.cand[:n, :Bv].flatten(1).gather(1, (depth - 1) * self.cand.shape[-1] + rank)  # [n, N]
+        tokens = torch.cat((self.bonus[:n, None], nodes), dim=1)  # [n, N + 1]
+        anc = tree_ancestors(parent)  # [n, N + 1, N + 1]
+        pos = lens[:, None] + torch.cat((depth.new_zeros(n, 1), depth), dim=1)
+        slots = lens[:, None] + torch.arange(N + 1, device=dev)
+        span = int(lens.max()) + N + 1
+        rel = torch.arange(span, device=dev) - lens[:, None, None]  # [n, 1, span]: slot - lens
+        tree_part = anc.gather(2, rel.clamp(0, N).expand(n, N + 1, span)) & (rel >= 0) & (rel <= N)
+        mask = (rel < 0) | tree_part  # [n, N + 1, span]: the row's prefix and the node's own path
+        view = self.cache.rows(0, n)
+        logits = self._timed(stats, "target", n * (N + 1), lambda: self.target.logits(
+            self.target(tokens, pos, view, mask=mask, span=span, slots=slots)))
+        top = logits.float().argmax(-1)  # [n, N + 1]
+        match = torch.cat((torch.ones_like(nodes[:, :1], dtype=torch.bool), nodes == top.gather(1, parent)), dim=1)
+        on_path = ~(anc & ~match[:, None, :]).any(-1)  # [n, N + 1]: every node from the root to i matches
+        accepted, node = torch.where(on_path, pos - lens[:, None], -1).max(-1)  # siblings differ: one per depth
+        new_bonus = top.gather(1, node[:, None]).squeeze(1)
+        # the accepted path's nodes in depth order (nodes are sorted by depth), then their cache slots moved
+        path = anc[torch.arange(n, device=dev), node, 1:]  # [n, N]
+        index = torch.arange(1, N + 1, device=dev)
+        src = torch.where(path, index, N + 1).sort(-1).values[:, :Bv]  # [n, Bv]: the first accepted[r] count
+        dst = torch.arange(1, Bv + 1, device=dev).expand(n, Bv)
+        src = torch.where(dst <= accepted[:, None], src, dst)
+        rows = torch.arange(n, device=dev)[:, None]
+        for kv in (*view.k, *view.v):  # [n, Hkv, S, D]
+            kv[rows, :, lens[:, None] + dst] = kv[rows, :, lens[:, None] + src]
+        self._commit(n, lens, accepted, new_bonus, tokens.gather(1, src.clamp(max=N)), ["tree"] * n, Bv, out, stats)
 
     def _target_logits(self, tokens, pos, cache) -> torch.Tensor:
         """[n, T] tokens -> [n, T, V] logits (the LM head is timed with the forward: at batch 1 it is ~15%)."""
@@ -650,7 +734,8 @@ class Engine:
                 n = int(self.cache.lens[last])
                 for k in (*self.cache.k, *self.cache.v):
                     k[r, :, :n] = k[last, :, :n]
-                for buf in (self.cache.lens, self.bonus, self.drafts, self.conf, self.ndrafts, self.from_branch):
+                for buf in (self.cache.lens, self.bonus, self.drafts, self.conf, self.ndrafts, self.from_branch,
+                            self.cand, self.cand_logp):
                     buf[r] = buf[last]
                 if self.q is not None:
                     self.q[r] = self.q[last]
@@ -670,6 +755,48 @@ class Engine:
         for g in results:
             g.seconds = seconds
         return results
+
+
+def draft_tree(logp: torch.Tensor, N: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The token tree a tree step verifies per row: logp [n, Bv, K], each draft slot's top-K log-probabilities
+    (descending) -> the (at most) N paths of highest draft probability prod_j q_j(token_j) (EAGLE-2's rule
+    over the block drafter's per-slot distributions), as depth, parent, rank [n, N']: verify token i + 1 is
+    slot depth[i]'s rank[i]-th candidate, its parent is verify token parent[i] (0: the bonus). Nodes are
+    sorted by depth, so a parent always comes before its children."""
+    n, Bv, K = logp.shape
+    dev = logp.device
+    score = logp.new_zeros(n, 1)  # the frontier: the best nodes of the last depth (the bonus at first)
+    ids = torch.full((n, 1), -1, dtype=torch.long, device=dev)
+    scores, parents, ranks, depths, count = [], [], [], [], 0
+    for j in range(Bv):
+        # a child scores strictly below its parent, so the best N overall always include their ancestors;
+        # and only the best N of a depth can have children among them
+        child = (score[:, :, None] + logp[:, j, None, :] - 1e-4).flatten(1)  # [n, F * K]
+        top = child.topk(min(N, child.shape[1]), dim=-1)
+        F = top.values.shape[1]
+        scores.append(top.values)
+        parents.append(ids.gather(1, top.indices // K))
+        ranks.append(top.indices % K)
+        depths.append(torch.full((n, F), j + 1, dtype=torch.long, device=dev))
+        score, ids = top.values, count + torch.arange(F, device=dev).expand(n, F)
+        count += F
+    keep = torch.cat(scores, 1).topk(min(N, count), dim=-1).indices.sort(-1).values  # [n, N']: ids ascend by depth
+    verify_index = torch.zeros(n, count + 1, dtype=torch.long, device=dev)  # node id + 1 -> verify token index
+    verify_index.scatter_(1, keep + 1, torch.arange(1, keep.shape[1] + 1, device=dev).expand_as(keep))
+    parent = verify_index.gather(1, torch.cat(parents, 1).gather(1, keep) + 1)
+    return torch.cat(depths, 1).gather(1, keep), parent, torch.cat(ranks, 1).gather(1, keep)
+
+
+def tree_ancestors(parent: torch.Tensor) -> torch.Tensor:
+    """parent [n, N] (verify token i + 1's parent; 0 = the bonus, the root) -> [n, N + 1, N + 1] bool: entry
+    (i, a) says verify token a is token i or one of its ancestors."""
+    n, N = parent.shape
+    par = torch.cat((parent.new_zeros(n, 1), parent), dim=1)  # the root is its own parent
+    anc = torch.eye(N + 1, dtype=torch.bool, device=parent.device).expand(n, -1, -1).clone()
+    rows = torch.arange(n, device=parent.device)
+    for i in range(1, N + 1):  # parents come first: their rows are complete
+        anc[:, i] |= anc[rows, par[:, i]]
+    return anc
 
 
 def parallel_forward(target: Transformer, drafter: Drafter, tokens: torch.Tensor, pos: torch.Tensor, cache,

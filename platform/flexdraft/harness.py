@@ -41,12 +41,13 @@ METHODS = {
     "hf-generate": Method("hf", (), "transformers generate, greedy, static batches"),
     "hf-prompt-lookup": Method("hf-lookup", (), "transformers prompt-lookup decoding (batch 1 only)"),
     "sequential": Method("engine", (("mode", "sequential"),), "draft after verify, slot 0 = known bonus"),
+    "tree": Method("engine", (("mode", "tree"),), "sequential drafts verified as a token tree (greedy rows)"),
     "parallel-uncalibrated": Method("engine", (("mode", "parallel"), ("calibrate", False)),
                                     "ablation: attention tuning only (parallel, branches uncalibrated)"),
     "parallel": Method("engine", (("mode", "parallel"),), "ablation: + calibration (all branches)"),
     "parallel-pruned": Method("engine", (("mode", "parallel"), ("top_m", None)),
                               "ablation: + selective verification (top_m branches)"),
-    "adaptive": Method("engine", (("mode", "adaptive"),), "the product: AR / sequential / parallel per step by cost"),
+    "adaptive": Method("engine", (("mode", "adaptive"),), "the product: AR / sequential / tree / parallel per step by cost"),
 }
 SPECULATIVE = [m for m, spec in METHODS.items() if spec.kind == "engine" and m != "ar"]
 
@@ -68,6 +69,7 @@ class HarnessConfig:
     methods: list[str] = field(default_factory=lambda: list(METHODS))
     top_m: int = 2  # parallel-pruned keeps this many branches per row
     switch_batch: int = 4
+    tree_nodes: int = 8  # tree and adaptive: drafts per row verified as a token tree (0 = no trees)
     prompt_lookup_tokens: int = 10
     # the all-branch parallel rows (ablation) run up to this batch size (0 = all): (B+1)^2 branch tokens per row
     # make them ~10x slower than AR at batch 16 on this CPU, minutes per cell that tell nothing new
@@ -110,7 +112,8 @@ def skip_reason(method: str, batch: int, cfg: HarnessConfig) -> str | None:
 
 def _engine(lm, choice, cfg: HarnessConfig, method: str, batch: int, max_len: int) -> Engine:
     overrides = {k: (cfg.top_m if k == "top_m" else v) for k, v in METHODS[method].engine}
-    ec = EngineConfig(max_batch=batch, max_len=max_len, switch_batch=cfg.switch_batch, **overrides)
+    ec = EngineConfig(max_batch=batch, max_len=max_len, switch_batch=cfg.switch_batch, tree_nodes=cfg.tree_nodes,
+                      **overrides)
     engine = Engine(lm.model, choice.drafter if method != "ar" else None, ec, lm.eos_token_ids, choice.prior)
     seed_costs(engine)
     return engine

@@ -190,9 +190,9 @@ class Attention(nn.Module):
         B, H, T, D = y.shape
         return self.o_proj(y.transpose(1, 2).reshape(B, T, H * D))
 
-    def forward(self, x, cos, sin, mask, cache: KVCache, layer: int, pos, span: int):
+    def forward(self, x, cos, sin, mask, cache: KVCache, layer: int, slots, span: int):
         q, k, v = self.project(x, cos, sin)
-        cache.write(layer, pos, k, v)
+        cache.write(layer, slots, k, v)
         keys, values = cache.k[layer][:, :, :span], cache.v[layer][:, :, :span]  # [B, Hkv, S, D]
         return self.output(attend(q, keys, values, mask))
 
@@ -224,8 +224,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.dim, args.rms_norm_eps)
         self.mlp = MLP(args)
 
-    def forward(self, x, cos, sin, mask, cache, layer, pos, span):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer, pos, span)
+    def forward(self, x, cos, sin, mask, cache, layer, slots, span):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer, slots, span)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -274,8 +274,10 @@ class Transformer(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def forward(self, tokens: torch.Tensor, pos: torch.Tensor, cache: KVCache,
-                mask: torch.Tensor | None = None, span: int | None = None) -> torch.Tensor:
-        """tokens, pos [B, T] -> final-normed hidden states [B, T, d]; writes K/V at slots `pos`.
+                mask: torch.Tensor | None = None, span: int | None = None,
+                slots: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens, pos [B, T] -> final-normed hidden states [B, T, d]; writes K/V at cache slots `slots`
+        [B, T] (default: pos; a token tree puts siblings at one position in different slots).
 
         span: cache slots attended to (default: up to the largest position). mask [B, T, S]: True = visible;
         default: slot <= the query's position (causal over the row's own prefix).
@@ -289,8 +291,9 @@ class Transformer(nn.Module):
             mask = grouped_bias(mask, self.args.n_heads // self.args.n_kv_heads)  # once for all layers
         x = self.embed_tokens(tokens)
         cos, sin = self.rope(pos, x.dtype)
+        slots = pos if slots is None else slots
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, mask, cache, i, pos, span)
+            x = layer(x, cos, sin, mask, cache, i, slots, span)
         return self.norm(x)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
