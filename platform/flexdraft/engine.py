@@ -107,19 +107,22 @@ class AcceptanceModel:
     """Running estimate of P(draft j accepted | drafts 1..j-1 accepted) for sequential (bonus known), tree
     (bonus known, a token tree verified) and parallel (masked slot 0, calibrated) drafts. Prior, worth
     `weight` verified blocks: a constant rate r per draft whose expected accepted length sum_j r^j matches
-    the drafter's validation tau (bonus / mask calibrated) when it has one, else r = 0.5; a tree gets
-    1 - (1 - r)^2 (as if each depth had two independent tries: optimistic, so that adaptive tries trees and
-    then goes by what it measures)."""
+    the drafter's validation tau (bonus / mask calibrated) when it has one, else r = 0.5. A tree of
+    N nodes starts from the sequential prior's expected accepted drafts times 1 + 0.13 log2(N / 4): what trees
+    of 8 / 16 / 32 nodes added over the chain on the default SmolLM2 drafter's validation split (+13% / +25%
+    / +35%, 1,856 blocks)."""
 
     KINDS = ("sequential", "tree", "parallel")
 
-    def __init__(self, block: int, prior: dict | None = None, weight: float = 20.0):
+    def __init__(self, block: int, prior: dict | None = None, weight: float = 20.0, tree_nodes: int = 8):
         self.tried = {k: torch.full((block,), weight, dtype=torch.float64) for k in self.KINDS}
         self.passed = {}
+        gain = 1 + 0.13 * math.log2(max(tree_nodes, 4) / 4)
         for kind, key in (("sequential", "bonus"), ("tree", "bonus"), ("parallel", "mask_calibrated")):
             tau = (prior or {}).get(f"eval/{key}/tau")
             rate = self._rate_for(tau - 1, block) if tau else 0.5
-            rate = 1 - (1 - rate) ** 2 if kind == "tree" else rate
+            if kind == "tree":
+                rate = self._rate_for(gain * sum(rate ** j for j in range(1, block + 1)), block)
             self.passed[kind] = torch.full((block,), weight * rate, dtype=torch.float64)
 
     @staticmethod
@@ -262,7 +265,7 @@ class Engine:
         self.waiting: deque[_Request] = deque()
         self.finished: dict[int, _Request] = {}
         self._ids = itertools.count()
-        self.acceptance = AcceptanceModel(max(self.B, 1), acceptance_prior)
+        self.acceptance = AcceptanceModel(max(self.B, 1), acceptance_prior, tree_nodes=config.tree_nodes)
         self.costs = CostModel()
         self._plans: dict[int, tuple[Plan, int]] = {}  # rows -> (adaptive plan, step it was made)
         self.last_stats = StepStats("idle", 0)
