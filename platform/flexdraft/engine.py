@@ -446,7 +446,7 @@ class Engine:
         self.cache.lens.fill_(ctx)
         self.bonus.fill_(0)
         self.drafts.fill_(0)
-        verify = (1, B + 1, self.config.tree_nodes + 1) if self.trees else (1, B + 1)
+        verify = sorted({1, B + 1, self.config.tree_nodes + 1} if self.trees else {1, B + 1})
         shapes = [("target", n, T, 0) for n in (1, 2, 4, 8, 16, 32, 64) if n <= R for T in verify]
         blocks = sorted({2, 3, 5, B + 1} & set(range(2, B + 2)))  # the block lengths the policy weighs
         shapes += [("draft", n, T, 0) for n in (1, 2, 4, 8, 16, 32, 64) if n <= R for T in blocks]
