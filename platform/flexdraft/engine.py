@@ -64,7 +64,8 @@ class EngineConfig:
         if not 0 < self.rho <= 1:
             raise FlexDraftError(f"rho must be in (0, 1], got {self.rho}")
         if self.tree_nodes < 0 or self.tree_width < 1:
-            raise FlexDraftError(f"tree_nodes must be >= 0 and tree_width >= 1, got {self.tree_nodes}, {self.tree_width}")
+            raise FlexDraftError(f"tree_nodes must be >= 0 and tree_width >= 1, got {self.tree_nodes} and "
+                                 f"{self.tree_width}")
         if self.mode == "tree" and not self.tree_nodes:
             raise FlexDraftError("mode tree needs tree_nodes >= 1")
         if self.switch_batch < 0:

@@ -47,7 +47,8 @@ METHODS = {
     "parallel": Method("engine", (("mode", "parallel"),), "ablation: + calibration (all branches)"),
     "parallel-pruned": Method("engine", (("mode", "parallel"), ("top_m", None)),
                               "ablation: + selective verification (top_m branches)"),
-    "adaptive": Method("engine", (("mode", "adaptive"),), "the product: AR / sequential / tree / parallel per step by cost"),
+    "adaptive": Method("engine", (("mode", "adaptive"),),
+                       "the product: AR / sequential / tree / parallel per step by cost"),
 }
 SPECULATIVE = [m for m, spec in METHODS.items() if spec.kind == "engine" and m != "ar"]
 
@@ -84,6 +85,8 @@ class HarnessConfig:
         for key in ("samples", "max_new_tokens", "answer_tokens", "repeats", "top_m", "prompt_lookup_tokens"):
             if getattr(self, key) < 1:
                 raise FlexDraftError(f"{key} must be >= 1, got {getattr(self, key)}")
+        if self.tree_nodes < 0:
+            raise FlexDraftError(f"tree_nodes must be >= 0 (0 = no trees), got {self.tree_nodes}")
         if self.all_branches_max_batch < 0:
             raise FlexDraftError(f"all_branches_max_batch must be >= 0 (0 = no limit), got {self.all_branches_max_batch}")
         unknown = [m for m in self.methods if m not in METHODS]

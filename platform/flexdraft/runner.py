@@ -51,8 +51,9 @@ def resolve_drafter(spec: str | None, target, required: bool) -> DrafterChoice:
 
 def profile_file(target, drafter: Drafter, cfg: EngineConfig) -> Path:
     """The cached cost profile of this model, drafter shape, device, dtype, threads and batch size."""
-    key = json.dumps([PROFILE_FORMAT, weights_fingerprint(target), asdict(drafter.config), str(target.device), str(target.dtype),
-                      torch.get_num_threads(), cfg.max_batch, cfg.switch_batch, cfg.block_size, cfg.tree_nodes], sort_keys=True)
+    key = json.dumps([PROFILE_FORMAT, weights_fingerprint(target), asdict(drafter.config), str(target.device),
+                      str(target.dtype), torch.get_num_threads(), cfg.max_batch, cfg.switch_batch, cfg.block_size,
+                      cfg.tree_nodes], sort_keys=True)
     return data_dir() / "profiles" / (hashlib.sha256(key.encode()).hexdigest()[:12] + ".json")
 
 
