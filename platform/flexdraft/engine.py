@@ -258,7 +258,7 @@ class Engine:
         self.from_branch = torch.zeros(R, dtype=torch.bool, device=dev)
         # token trees (greedy rows): each draft slot's top tree_width candidates and their log-probabilities
         self.trees = bool(self.B and config.tree_nodes and config.mode in ("tree", "adaptive"))
-        K = config.tree_width if self.trees else 1
+        K = min(config.tree_width, target.args.vocab_size) if self.trees else 1
         self.cand = torch.zeros(R, max(self.B, 1), K, dtype=torch.long, device=dev)
         self.cand_logp = torch.zeros(R, max(self.B, 1), K, dtype=torch.float32, device=dev)
         self.q: torch.Tensor | None = None  # [R, B, V] fp32 draft distributions, allocated for sampling
