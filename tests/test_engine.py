@@ -377,7 +377,8 @@ def test_bf16_divergences_happen_only_at_near_ties(real_folder, gsm8k_prompts):
     """Bundled SmolLM2 in bf16: verifying many tokens in one forward may round logits differently from a
     one-token step, which can flip a greedy choice only where the top two logits are within rounding. For
     sequential, tree and parallel mode, every row either equals AR bf16 or first differs at a position where AR's
-    own top-2 gap is below NEAR_TIE (on this CPU the oneDNN GEMMs are row-independent: no divergence occurs)."""
+    own top-2 gap is below NEAR_TIE (on this CPU the oneDNN GEMMs are row-independent: sequential and parallel
+    never diverge; a tree's keys sit in other cache slots, which can flip a near-tie)."""
     model = load_model(real_folder, RuntimeConfig(device="cpu", dtype="bfloat16", threads=1)).model
     drafter, prior = default_or_init_drafter(model)
     prompts = gsm8k_prompts[:4]
