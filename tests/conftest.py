@@ -6,6 +6,9 @@ import torch
 
 # tests never write to the user's MLflow store; the converted bundled model is shared with ~/.flexdraft
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# Ray 2.60 enables token auth on a local head by default; the Ray job tests then wait forever in Ray Data
+# (seen when pytest runs without the Makefile, which exports this too)
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 torch.set_num_threads(1)
 
 
