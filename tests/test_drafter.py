@@ -1,4 +1,5 @@
 """The drafter's block path: what it shares with the target, what it must never see, what it trains."""
+import itertools
 import json
 
 import pytest
@@ -9,7 +10,7 @@ from flexdraft.config import RuntimeConfig
 from flexdraft.drafter import Drafter, DrafterConfig, load_drafter, save_drafter, weights_fingerprint
 from flexdraft.errors import FlexDraftError
 from flexdraft.models.loading import load_model
-from flexdraft.training import Sequences, agreement_counts, draft_hidden, target_pass, training_step
+from flexdraft.training import Sequences, agreement_counts, draft_hidden, target_pass, training_step, tree_accepted
 
 CPU32 = RuntimeConfig(device="cpu", dtype="float32", threads=1, cpu_prepack=False)
 
@@ -218,3 +219,24 @@ def test_in_cache_drafting_equals_the_copying_block_forward(tiny, tuned_attentio
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert all(torch.equal(a, k[r, :, :n]) for a, (k, (r, n)) in
                zip(kept, ((k, rn) for k in cache.k for rn in enumerate(cache.lens.tolist()))))
+
+
+def test_tree_accepted_length_matches_brute_force():
+    """bonus/tau_treeN's count (the engine's draft_tree + tree_walk): for random draft distributions and
+    continuations, the accepted length equals brute force over every path of top-4 ranks: the N prefixes of
+    highest summed log-probability, then the deepest one whose tokens are the continuation's."""
+    g = torch.Generator().manual_seed(0)
+    M, B, V, K = 60, 4, 9, 4
+    logits = torch.randn(M, B, V, generator=g) * 2
+    logp, cand = logits.log_softmax(-1).topk(K, dim=-1)
+    # continuations drawn near the drafts: rank 0-2 mostly, sometimes a token outside the top 4
+    pick = torch.randint(0, 6, (M, B), generator=g)
+    target = torch.where(pick < K, cand.gather(-1, pick.clamp(max=K - 1)[..., None]).squeeze(-1), V - 1 - cand[..., 0])
+    for N in (1, 5, 8, 16):
+        got = tree_accepted(logits, target, N, width=K)
+        for m in range(M):
+            prefixes = [p for d in range(1, B + 1) for p in itertools.product(range(K), repeat=d)]
+            score = {p: sum(float(logp[m, j, r]) for j, r in enumerate(p)) for p in prefixes}
+            tree = sorted(prefixes, key=lambda p: (-score[p], len(p)))[:N]
+            ok = [len(p) for p in tree if all(int(cand[m, j, r]) == int(target[m, j]) for j, r in enumerate(p))]
+            assert int(got[m]) == max(ok, default=0), (N, m)

@@ -108,10 +108,10 @@ class AcceptanceModel:
     """Running estimate of P(draft j accepted | drafts 1..j-1 accepted) for sequential (bonus known), tree
     (bonus known, a token tree verified) and parallel (masked slot 0, calibrated) drafts. Prior, worth
     `weight` verified blocks: a constant rate r per draft whose expected accepted length sum_j r^j matches
-    the drafter's validation tau (bonus / mask calibrated) when it has one, else r = 0.5. A tree of
-    N nodes starts from the sequential prior's expected accepted drafts times 1 + 0.13 log2(N / 4): what trees
-    of 8 / 16 / 32 nodes added over the chain on the default SmolLM2 drafter's validation split (+13% / +25%
-    / +35%, 1,856 blocks)."""
+    the drafter's validation tau (bonus / mask calibrated / tree of N nodes) when it has one, else r = 0.5.
+    Without a validation tau for its size, a tree of N nodes starts from the sequential prior's expected
+    accepted drafts times 1 + 0.13 log2(N / 4): what trees of 8 / 16 / 32 nodes added over the chain on the
+    default SmolLM2 drafter's validation split (+13% / +25% / +35%, 1,856 blocks)."""
 
     KINDS = ("sequential", "tree", "parallel")
 
@@ -122,7 +122,10 @@ class AcceptanceModel:
         for kind, key in (("sequential", "bonus"), ("tree", "bonus"), ("parallel", "mask_calibrated")):
             tau = (prior or {}).get(f"eval/{key}/tau")
             rate = self._rate_for(tau - 1, block) if tau else 0.5
-            if kind == "tree":
+            tree_tau = (prior or {}).get(f"eval/bonus/tau_tree{tree_nodes}")
+            if kind == "tree" and tree_tau:
+                rate = self._rate_for(tree_tau - 1, block)
+            elif kind == "tree":
                 rate = self._rate_for(gain * sum(rate ** j for j in range(1, block + 1)), block)
             self.passed[kind] = torch.full((block,), weight * rate, dtype=torch.float64)
 
@@ -634,9 +637,7 @@ class Engine:
         logits = self._timed(stats, "target", n * (N + 1), lambda: self.target.logits(
             self.target(tokens, pos, view, mask=mask, span=span, slots=slots)))
         top = logits.float().argmax(-1)  # [n, N + 1]
-        match = torch.cat((torch.ones_like(nodes[:, :1], dtype=torch.bool), nodes == top.gather(1, parent)), dim=1)
-        on_path = ~(anc & ~match[:, None, :]).any(-1)  # [n, N + 1]: every node from the root to i matches
-        accepted, node = torch.where(on_path, pos - lens[:, None], -1).max(-1)  # siblings differ: one per depth
+        accepted, node = tree_walk(nodes == top.gather(1, parent), anc, depth)
         new_bonus = top.gather(1, node[:, None]).squeeze(1)
         # the accepted path's nodes in depth order (nodes are sorted by depth), then their cache slots moved
         path = anc[torch.arange(n, device=dev), node, 1:]  # [n, N]
@@ -801,6 +802,15 @@ def tree_ancestors(parent: torch.Tensor) -> torch.Tensor:
     for i in range(1, N + 1):  # parents come first: their rows are complete
         anc[:, i] |= anc[rows, par[:, i]]
     return anc
+
+
+def tree_walk(match: torch.Tensor, anc: torch.Tensor, depth: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """match [n, N]: node i's token is the target's greedy token after its parent; anc from `tree_ancestors`;
+    depth [n, N] -> (accepted [n]: depth of the deepest node whose whole path matches, node [n]: its verify
+    index, 0 = the bonus). Siblings hold different tokens, so at most one node per depth matches."""
+    match = torch.cat((torch.ones_like(match[:, :1]), match), dim=1)  # the bonus is given
+    on_path = ~(anc & ~match[:, None, :]).any(-1)  # [n, N + 1]: every node from the root to i matches
+    return torch.where(on_path, torch.cat((depth.new_zeros(depth.shape[0], 1), depth), dim=1), -1).max(-1)
 
 
 def parallel_forward(target: Transformer, drafter: Drafter, tokens: torch.Tensor, pos: torch.Tensor, cache,

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from flexdraft.drafter import Drafter
+from flexdraft.engine import draft_tree, tree_ancestors, tree_walk
 from flexdraft.errors import FlexDraftError
 from flexdraft.models.transformer import KVCache, Transformer
 
@@ -172,12 +173,23 @@ def training_step(drafter: Drafter, target: Transformer, seqs: Sequences, stage:
 
 
 MODES = ("bonus", "mask", "mask_calibrated")
+TREES = (8, 16)  # token-tree sizes (engine tree mode, top-4 drafts per slot) whose accepted length is evaluated too
+
+
+def tree_accepted(logits: torch.Tensor, target_tokens: torch.Tensor, nodes: int, width: int = 4) -> torch.Tensor:
+    """Draft logits [M, B, V] of M blocks (d_1..d_B), the target's greedy continuation [M, B] -> drafts a token
+    tree of `nodes` drafts would accept per block [M], as the engine's tree mode builds and walks it."""
+    logp, cand = logits.float().log_softmax(-1).topk(width, dim=-1)  # [M, B, K]
+    depth, parent, rank = draft_tree(logp, nodes)
+    tokens = cand.flatten(1).gather(1, (depth - 1) * width + rank)  # [M, N]
+    return tree_walk(tokens == target_tokens.gather(1, depth - 1), tree_ancestors(parent), depth)[0]
 
 
 @torch.no_grad()
 def agreement_counts(drafter: Drafter, target: Transformer, seqs: Sequences, stride: int, max_anchors: int) -> dict:
     """For each mode (slot 0 = true bonus; masked; masked + calibration): per-slot counts of draft argmax ==
-    target argmax, and the summed agreeing-prefix length, over strided anchors. Sums, so workers can add."""
+    target argmax, and the summed agreeing-prefix length, over strided anchors; with the bonus known, also the
+    drafts token trees of TREES nodes would accept. Sums, so workers can add."""
     B = drafter.config.block_size
     cache, h = target_pass(target, seqs)
     anchors, valid = strided_anchors(seqs, B, stride, max_anchors)
@@ -189,9 +201,13 @@ def agreement_counts(drafter: Drafter, target: Transformer, seqs: Sequences, str
         hd = draft_outputs(draft_hidden(drafter, target, seqs, cache, anchors, known), known)
         if mode == "mask_calibrated":
             hd = drafter.calibrate(target, hd, bonus[..., None].expand(hd.shape[:-1]))
-        agree = (target.logits(hd).float().argmax(-1) == target_tokens) & valid[..., None]  # [R, A, B]
+        logits = target.logits(hd)  # [R, A, B, V]
+        agree = (logits.float().argmax(-1) == target_tokens) & valid[..., None]  # [R, A, B]
         out[f"{mode}.agree"] = agree.sum((0, 1)).tolist()
         out[f"{mode}.prefix"] = int(agree.long().cumprod(-1).sum())
+        if mode == "bonus":  # sequential drafts verified as token trees (the engine's tree mode)
+            for N in TREES:
+                out[f"bonus.tree{N}.prefix"] = int(tree_accepted(logits[valid], target_tokens[valid], N).sum())
     return out
 
 
@@ -201,7 +217,8 @@ def add_counts(a: dict, b: dict) -> dict:
 
 def agreement_metrics(counts: dict) -> dict[str, float]:
     """Counts -> per-slot top-1 agreement acc_j, the real greedy accepted length tau = mean agreeing prefix
-    + 1 (the bonus), and the implied one from per-slot rates, 1 + sum_a prod_{j<=a} acc_j."""
+    + 1 (the bonus), and the implied one from per-slot rates, 1 + sum_a prod_{j<=a} acc_j; bonus/tau_treeN: the
+    accepted length + 1 when the bonus-known drafts are verified as a token tree of N nodes."""
     n = max(counts["blocks"], 1)
     metrics = {"eval_blocks": float(counts["blocks"])}
     for mode in MODES:
@@ -214,4 +231,6 @@ def agreement_metrics(counts: dict) -> dict[str, float]:
             prod *= a
             implied += prod
         metrics[f"{mode}/tau_implied"] = implied
+    for N in TREES:
+        metrics[f"bonus/tau_tree{N}"] = 1 + counts[f"bonus.tree{N}.prefix"] / n
     return metrics
