@@ -118,15 +118,15 @@ class AcceptanceModel:
     def __init__(self, block: int, prior: dict | None = None, weight: float = 20.0, tree_nodes: int = 8):
         self.tried = {k: torch.full((block,), weight, dtype=torch.float64) for k in self.KINDS}
         self.passed = {}
-        gain = 1 + 0.13 * math.log2(max(tree_nodes, 4) / 4)
+        prior = prior or {}
         for kind, key in (("sequential", "bonus"), ("tree", "bonus"), ("parallel", "mask_calibrated")):
-            tau = (prior or {}).get(f"eval/{key}/tau")
+            tau = prior.get(f"eval/{key}/tau")
             rate = self._rate_for(tau - 1, block) if tau else 0.5
-            tree_tau = (prior or {}).get(f"eval/bonus/tau_tree{tree_nodes}")
-            if kind == "tree" and tree_tau:
-                rate = self._rate_for(tree_tau - 1, block)
-            elif kind == "tree":
-                rate = self._rate_for(gain * sum(rate ** j for j in range(1, block + 1)), block)
+            if kind == "tree":
+                tree_tau = prior.get(f"eval/bonus/tau_tree{tree_nodes}")
+                gain = 1 + 0.13 * math.log2(max(tree_nodes, 4) / 4)
+                accepted = tree_tau - 1 if tree_tau else gain * sum(rate ** j for j in range(1, block + 1))
+                rate = self._rate_for(accepted, block)
             self.passed[kind] = torch.full((block,), weight * rate, dtype=torch.float64)
 
     @staticmethod
