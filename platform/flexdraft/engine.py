@@ -624,7 +624,7 @@ class Engine:
         lens = self.cache.lens[:n].clone()
         depth, parent, rank = draft_tree(self.cand_logp[:n, :Bv], self.config.tree_nodes)  # [n, N]
         N = depth.shape[1]
-        nodes = self.cand[:n, :Bv].flatten(1).gather(1, (depth - 1) * self.cand.shape[-1] + rank)  # [n, N]
+        nodes = tree_tokens(self.cand[:n, :Bv], depth, rank)  # [n, N]
         tokens = torch.cat((self.bonus[:n, None], nodes), dim=1)  # [n, N + 1]
         anc = tree_ancestors(parent)  # [n, N + 1, N + 1]
         pos = lens[:, None] + torch.cat((depth.new_zeros(n, 1), depth), dim=1)
@@ -790,6 +790,11 @@ def draft_tree(logp: torch.Tensor, N: int) -> tuple[torch.Tensor, torch.Tensor, 
     verify_index.scatter_(1, keep + 1, torch.arange(1, keep.shape[1] + 1, device=dev).expand_as(keep))
     parent = verify_index.gather(1, torch.cat(parents, 1).gather(1, keep) + 1)
     return torch.cat(depths, 1).gather(1, keep), parent, torch.cat(ranks, 1).gather(1, keep)
+
+
+def tree_tokens(cand: torch.Tensor, depth: torch.Tensor, rank: torch.Tensor) -> torch.Tensor:
+    """cand [n, Bv, K] (each slot's top-K drafts), a `draft_tree`'s depth and rank [n, N] -> node tokens [n, N]."""
+    return cand.flatten(1).gather(1, (depth - 1) * cand.shape[-1] + rank)
 
 
 def tree_ancestors(parent: torch.Tensor) -> torch.Tensor:

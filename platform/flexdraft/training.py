@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from flexdraft.drafter import Drafter
-from flexdraft.engine import draft_tree, tree_ancestors, tree_walk
+from flexdraft.engine import draft_tree, tree_ancestors, tree_tokens, tree_walk
 from flexdraft.errors import FlexDraftError
 from flexdraft.models.transformer import KVCache, Transformer
 
@@ -181,7 +181,7 @@ def tree_accepted(logits: torch.Tensor, target_tokens: torch.Tensor, nodes: int,
     tree of `nodes` drafts would accept per block [M], as the engine's tree mode builds and walks it."""
     logp, cand = logits.float().log_softmax(-1).topk(width, dim=-1)  # [M, B, K]
     depth, parent, rank = draft_tree(logp, nodes)
-    tokens = cand.flatten(1).gather(1, (depth - 1) * width + rank)  # [M, N]
+    tokens = tree_tokens(cand, depth, rank)  # [M, N]
     return tree_walk(tokens == target_tokens.gather(1, depth - 1), tree_ancestors(parent), depth)[0]
 
 
