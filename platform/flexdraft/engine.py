@@ -11,7 +11,7 @@ their full distributions q for sampled rows); `from_branch` says whether a paral
   1. admit waiting requests: prefill, draw the first token (it becomes the row's bonus);
   2. AR mode: one target token per row. Speculative modes: rows without drafts (fresh, pruned, or coming
      from an AR step) get a sequential drafter pass with the bonus known in slot 0; then the target verifies
-     [bonus, d_1..d_Bv] per row. Sequential mode drafts again next step; tree mode (greedy rows) verifies a
+     [bonus, d_1..d_Bv] per row. Sequential mode drafts again next step; tree mode verifies a
      token tree built from each slot's top candidates instead of the chain d_1..d_Bv; parallel mode carries
      candidate draft blocks (branches) through the same verify forward and keeps the one matching the
      accepted length;
@@ -259,7 +259,7 @@ class Engine:
         self.conf = torch.zeros(R, max(self.B, 1), dtype=torch.float32, device=dev)  # q_j(d_j)
         self.ndrafts = torch.zeros(R, dtype=torch.long, device=dev)  # valid drafts per row (0: draft first)
         self.from_branch = torch.zeros(R, dtype=torch.bool, device=dev)
-        # token trees (greedy rows): each draft slot's top tree_width candidates and their log-probabilities
+        # token trees: each draft slot's top tree_width candidates and their log-probabilities
         self.trees = bool(self.B and config.tree_nodes and config.mode in ("tree", "adaptive"))
         K = min(config.tree_width, target.args.vocab_size) if self.trees else 1
         self.cand = torch.zeros(R, max(self.B, 1), K, dtype=torch.long, device=dev)
@@ -390,13 +390,7 @@ class Engine:
         <= switch_batch rows, sequential above; with the cost model, whichever of AR, sequential with 1/2/4/B
         drafts, a tree of tree_nodes drafts and (at <= switch_batch rows) parallel with 1/2/4/B drafts and
         1/2/3/all branches promises the most tokens per second (tokens from the acceptance model, seconds from
-        the measured costs). Trees verify greedy rows only: with a sampled row a tree plan runs sequential."""
-        plan = self._choose_any(n)
-        if plan.mode == "tree" and not all(r.params.greedy for r in self.slots[:n]):
-            return Plan("sequential", plan.block)
-        return plan
-
-    def _choose_any(self, n: int) -> Plan:
+        the measured costs)."""
         cfg, B = self.config, self.B
         if cfg.mode != "adaptive":
             return Plan(cfg.mode, 0 if cfg.mode == "ar" else B)
@@ -616,10 +610,11 @@ class Engine:
             self._emit(r, drafts[r][: acc[r]] + [bonus[r]], out)
 
     def _verify_tree(self, n: int, Bv: int, out, stats: StepStats) -> None:
-        """Greedy rows 0..n-1: the target verifies a token tree per row (the bonus, then tree_nodes drafts
-        chosen by `draft_tree` among each slot's top candidates) in one forward; the deepest node whose path
-        equals the target's own greedy continuation is accepted. Node i + 1's keys/values go to cache slot
-        lens + 1 + i; the accepted path's are then moved to lens + 1 .. lens + a, where a chain's would be."""
+        """Rows 0..n-1: the target verifies a token tree per row (the bonus, then tree_nodes drafts chosen by
+        `draft_tree` among each slot's top candidates) in one forward. Greedy rows accept the deepest node whose
+        path equals the target's own greedy continuation; sampled rows walk the tree by `tree_sample`. Node
+        i + 1's keys/values go to cache slot lens + 1 + i; the accepted path's are then moved to
+        lens + 1 .. lens + a, where a chain's would be."""
         dev = self.target.device
         lens = self.cache.lens[:n].clone()
         depth, parent, rank = draft_tree(self.cand_logp[:n, :Bv], self.config.tree_nodes)  # [n, N]
@@ -639,6 +634,12 @@ class Engine:
         top = logits.float().argmax(-1)  # [n, N + 1]
         accepted, node = tree_walk(nodes == top.gather(1, parent), anc, depth)
         new_bonus = top.gather(1, node[:, None]).squeeze(1)
+        for r in range(n):
+            params = self.slots[r].params
+            if not params.greedy:
+                p = filtered_logits(logits[r], params).softmax(-1)  # [N + 1, V]
+                node[r], new_bonus[r] = tree_sample(p, tokens[r], parent[r], self.slots[r].generator)
+                accepted[r] = 0 if node[r] == 0 else depth[r, node[r] - 1]
         # the accepted path's nodes in depth order (nodes are sorted by depth), then their cache slots moved
         path = anc[torch.arange(n, device=dev), node, 1:]  # [n, N]
         index = torch.arange(1, N + 1, device=dev)
@@ -795,6 +796,29 @@ def draft_tree(logp: torch.Tensor, N: int) -> tuple[torch.Tensor, torch.Tensor, 
 def tree_tokens(cand: torch.Tensor, depth: torch.Tensor, rank: torch.Tensor) -> torch.Tensor:
     """cand [n, Bv, K] (each slot's top-K drafts), a `draft_tree`'s depth and rank [n, N] -> node tokens [n, N]."""
     return cand.flatten(1).gather(1, (depth - 1) * cand.shape[-1] + rank)
+
+
+def tree_sample(p: torch.Tensor, tokens: torch.Tensor, parent: torch.Tensor, generator) -> tuple[int, int]:
+    """A sampled row's walk of its token tree: p [N + 1, V] the target's (filtered) distributions after each
+    verify token, tokens [N + 1] (0: the bonus), parent [N] -> (the accepted node's verify index, the next
+    token). Speculative sampling with deterministic drafts (q a point mass on the draft): a node's children
+    are tried in order, child c accepted with probability r(c), where r is p at the node with the rejected
+    children's mass removed and renormalised; if every child is rejected (or there is none) the next token is
+    drawn from r. Each emitted token is therefore distributed exactly as p given the tokens before it."""
+    children: list[list[int]] = [[] for _ in range(tokens.shape[0])]
+    for i, par in enumerate(parent.tolist()):
+        children[par].append(i + 1)
+    node, r = 0, p[0]
+    while True:
+        for c in children[node]:
+            t = tokens[c]
+            if torch.rand((), generator=generator, device=r.device) * r.sum() < r[t]:
+                node, r = c, p[c]
+                break
+            r = r.clone()
+            r[t] = 0  # rejected: the remaining mass is r without t (it is > 0: t did not hold all of it)
+        else:
+            return node, int(torch.multinomial(r, 1, generator=generator)[0])
 
 
 def tree_ancestors(parent: torch.Tensor) -> torch.Tensor:

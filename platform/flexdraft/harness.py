@@ -41,7 +41,7 @@ METHODS = {
     "hf-generate": Method("hf", (), "transformers generate, greedy, static batches"),
     "hf-prompt-lookup": Method("hf-lookup", (), "transformers prompt-lookup decoding (batch 1 only)"),
     "sequential": Method("engine", (("mode", "sequential"),), "draft after verify, slot 0 = known bonus"),
-    "tree": Method("engine", (("mode", "tree"),), "sequential drafts verified as a token tree (greedy rows)"),
+    "tree": Method("engine", (("mode", "tree"),), "sequential drafts verified as a token tree"),
     "parallel-uncalibrated": Method("engine", (("mode", "parallel"), ("calibrate", False)),
                                     "ablation: attention tuning only (parallel, branches uncalibrated)"),
     "parallel": Method("engine", (("mode", "parallel"),), "ablation: + calibration (all branches)"),
