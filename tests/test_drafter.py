@@ -10,7 +10,9 @@ from flexdraft.config import RuntimeConfig
 from flexdraft.drafter import Drafter, DrafterConfig, load_drafter, save_drafter, weights_fingerprint
 from flexdraft.errors import FlexDraftError
 from flexdraft.models.loading import load_model
-from flexdraft.training import Sequences, agreement_counts, draft_hidden, target_pass, training_step, tree_accepted
+from flexdraft.generate import SamplingParams, generate
+from flexdraft.training import (Sequences, agreement_counts, block_targets, draft_hidden, gather_positions,
+                               sample_anchors, target_pass, training_step, tree_accepted)
 
 CPU32 = RuntimeConfig(device="cpu", dtype="float32", threads=1, cpu_prepack=False)
 
@@ -140,6 +142,27 @@ def test_gradients_reach_only_the_tuned_projectors(tiny):
     training_step(drafter, tiny, seqs, "calibration", 8, "kl", 0.8, g).loss.backward()
     assert {n for n, p in drafter.named_parameters() if p.grad is not None} == {
         n for n, _ in drafter.named_parameters() if n.startswith("calibration.")}
+
+
+@torch.no_grad()
+def test_ce_targets_are_the_targets_greedy_tokens_on_its_own_answers(tiny):
+    """The ce loss trains slot j of a block anchored at p towards the distilled token at p+1+j, without an LM
+    head for the target: on the target's own greedy answers (what distillation writes) that token is the
+    target's argmax at p+j, for every anchor the sampler can pick."""
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, tiny.args.vocab_size, (n,), generator=g).tolist() for n in (5, 9, 7)]
+    outs = generate(tiny, prompts, SamplingParams(max_new_tokens=30))
+    rows = [p + o.token_ids for p, o in zip(prompts, outs)]
+    tokens = torch.zeros(3, max(map(len, rows)), dtype=torch.long)
+    for i, r in enumerate(rows):
+        tokens[i, : len(r)] = torch.tensor(r)
+    seqs = Sequences(tokens, torch.tensor([len(r) for r in rows]), torch.tensor([len(p) for p in prompts]))
+    _, h = target_pass(tiny, seqs)
+    B = 4
+    anchors, valid = sample_anchors(seqs, B, 64, g)  # every valid anchor
+    assert int(valid.sum()) == sum(len(r) - len(p) - B for r, p in zip(rows, prompts))
+    wanted = block_targets(seqs, anchors, B)[valid]
+    assert torch.equal(wanted, tiny.logits(gather_positions(h, anchors, B)).argmax(-1)[valid])
 
 
 @torch.no_grad()

@@ -36,7 +36,7 @@ class TrainConfig:
     lr: float = 1e-3
     warmup_steps: int = 10
     weight_decay: float = 0.0
-    loss: str = "ce"  # ce: cross-entropy to the target's greedy tokens; kl: KL(p_target || q)
+    loss: str = "ce"  # ce: cross-entropy to the distilled tokens (the target's greedy ones); kl: KL(p_target || q)
     slot_decay: float = 0.8  # slot j's loss weight is slot_decay^(j-1)
     zero_stage: int = 2
     dtype: str = "auto"  # auto: bfloat16 on GPU and on CPUs with bf16 instructions, else float32 (see train_dtype)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from flexdraft.drafter import Drafter
 from flexdraft.engine import draft_tree, tree_ancestors, tree_tokens, tree_walk
@@ -118,21 +119,28 @@ def gather_positions(x: torch.Tensor, anchors: torch.Tensor, B: int) -> torch.Te
     return out.view(R, A, B, *x.shape[2:])
 
 
+def block_targets(seqs: Sequences, anchors: torch.Tensor, B: int) -> torch.Tensor:
+    """anchors [R, A] -> the sequence's tokens at p+2 .. p+B+1 [R, A, B], which slots 1..B draft. On distilled
+    answers (the target's own greedy tokens) they are the target's argmax at p+1 .. p+B."""
+    return gather_positions(seqs.tokens, anchors + 1, B)
+
+
 def slot_weights(B: int, decay: float, device) -> torch.Tensor:
     """[B]: decay^(j-1) for slots j = 1..B (later slots count less: they are accepted less often)."""
     return decay ** torch.arange(B, device=device, dtype=torch.float32)
 
 
-def block_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, valid: torch.Tensor, weights: torch.Tensor,
+def block_loss(draft_logits: torch.Tensor, target: torch.Tensor, valid: torch.Tensor, weights: torch.Tensor,
                kind: str) -> torch.Tensor:
-    """draft/target logits [R, A, B, V], valid [R, A] (blocks) or [R, A, B] (slots), weights [B] -> weighted
-    mean over valid slots of CE(draft, argmax target) ("ce") or KL(p_target || q_draft) ("kl")."""
-    logq = draft_logits.float().log_softmax(-1)
+    """draft logits [R, A, B, V]; target: the target's tokens [R, A, B] ("ce": cross-entropy to them) or its
+    logits [R, A, B, V] ("kl": KL(p_target || q_draft)); valid [R, A] (blocks) or [R, A, B] (slots), weights [B]
+    -> the weighted mean over valid slots."""
+    logits = draft_logits.float()
     if kind == "ce":
-        per_slot = -logq.gather(-1, target_logits.argmax(-1, keepdim=True)).squeeze(-1)  # [R, A, B]
+        per_slot = F.cross_entropy(logits.flatten(0, -2), target.flatten(), reduction="none").view(target.shape)
     elif kind == "kl":
-        logp = target_logits.float().log_softmax(-1)
-        per_slot = (logp.exp() * (logp - logq)).sum(-1)
+        logp = target.float().log_softmax(-1)
+        per_slot = (logp.exp() * (logp - logits.log_softmax(-1))).sum(-1)
     else:
         raise FlexDraftError(f"unknown loss {kind!r}: ce or kl")
     w = weights * (valid if valid.dim() == 3 else valid[..., None]).float()  # [R, A, B]
@@ -153,8 +161,11 @@ def training_step(drafter: Drafter, target: Transformer, seqs: Sequences, stage:
     B = drafter.config.block_size
     cache, h = target_pass(target, seqs)
     anchors, valid = sample_anchors(seqs, B, anchors_per_seq, generator)
-    with torch.no_grad():
-        target_logits = target.logits(gather_positions(h, anchors, B))  # [R, A, B, V]
+    if loss_kind == "ce":  # the target's greedy tokens are in the distilled answers: no LM head for them
+        wanted = block_targets(seqs, anchors, B)  # [R, A, B]
+    else:
+        with torch.no_grad():
+            wanted = target.logits(gather_positions(h, anchors, B))  # [R, A, B, V]
     weights = slot_weights(B, decay, anchors.device)  # [B]
     slot_valid = valid  # [R, A], or [R, A, B] where some slots of a block do not count
     if stage == "attention":
@@ -168,7 +179,7 @@ def training_step(drafter: Drafter, target: Transformer, seqs: Sequences, stage:
             hd = draft_hidden(drafter, target, seqs, cache, anchors, torch.zeros_like(valid))[:, :, 1:]
         bonus = seqs.tokens.gather(1, anchors + 1)[..., None].expand(hd.shape[:-1])
         hd = drafter.calibrate(target, hd, bonus)
-    loss = block_loss(target.logits(hd), target_logits, slot_valid, weights, loss_kind)
+    loss = block_loss(target.logits(hd), wanted, slot_valid, weights, loss_kind)
     return StepOutput(loss, int(valid.sum()), int(seqs.lens.sum()))
 
 
