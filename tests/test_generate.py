@@ -5,7 +5,7 @@ import torch
 from conftest import make_tiny_hf
 from flexdraft.config import RuntimeConfig
 from flexdraft.errors import FlexDraftError
-from flexdraft.generate import SamplingParams, filtered_logits, generate, length_groups
+from flexdraft.generate import SamplingParams, draw, filtered_logits, generate, length_groups
 from flexdraft.models.loading import load_model
 
 GREEDY64 = SamplingParams(max_new_tokens=64)
@@ -73,6 +73,19 @@ def test_top_k_top_p_keep_exactly_the_reference_sets():
     assert kept(SamplingParams(temperature=1.0, top_p=0.1)) == [1]  # the top token always stays
     renorm = filtered_logits(logits, SamplingParams(temperature=1.0, top_p=0.7)).softmax(-1)[0]
     torch.testing.assert_close(renorm[[1, 3]], torch.tensor([0.4, 0.3]) / 0.7)
+
+
+def test_draw_follows_the_weights_and_never_picks_a_zero_weight():
+    """Inverse-CDF draws, 40,000 per row from unnormalised weights with zeros at both ends and inside: zero-weight
+    tokens never come up, and every frequency is within 5 standard errors of its probability."""
+    weights = torch.tensor([[0.0, 3.0, 0.0, 1.0, 6.0, 0.0], [2.0, 0.0, 0.0, 0.0, 0.0, 2.0]])
+    g = torch.Generator().manual_seed(0)
+    n = 40_000
+    tokens = draw(weights[:, None, :].expand(2, n, 6), g)  # [2, n]
+    counts = torch.stack([torch.bincount(t, minlength=6) for t in tokens]).double()
+    assert torch.all(counts[weights == 0] == 0)
+    p = weights / weights.sum(-1, keepdim=True)
+    assert torch.all((counts / n - p).abs() <= 5 * (p * (1 - p) / n).sqrt())
 
 
 @pytest.mark.parametrize("kwargs,needle", [

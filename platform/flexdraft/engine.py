@@ -31,7 +31,7 @@ import torch
 
 from flexdraft.drafter import Drafter
 from flexdraft.errors import FlexDraftError
-from flexdraft.generate import Generation, SamplingParams, filtered_logits, make_generator, prefill
+from flexdraft.generate import Generation, SamplingParams, draw, filtered_logits, make_generator, prefill, sample
 from flexdraft.models.transformer import Linear, Transformer, attend, grouped_bias
 
 MODES = ("ar", "sequential", "tree", "parallel", "adaptive")
@@ -496,8 +496,7 @@ class Engine:
         for i, row in enumerate(rows.tolist()):
             req = self.slots[row]
             if not req.params.greedy:
-                probs = filtered_logits(logits[i : i + 1], req.params).softmax(-1)
-                tokens[i] = torch.multinomial(probs, 1, generator=req.generator)[0, 0]
+                tokens[i] = sample(logits[i : i + 1], req.params, req.generator)[0]
         return tokens
 
     def _emit(self, row: int, tokens: list[int], out) -> None:
@@ -532,7 +531,7 @@ class Engine:
             req = self.slots[row]
             if not req.params.greedy:
                 q = filtered_logits(logits[i], req.params).softmax(-1)  # [Bv, V]
-                drafts[i] = torch.multinomial(q, 1, generator=req.generator).squeeze(-1)
+                drafts[i] = draw(q, req.generator)
                 conf[i] = q.gather(-1, drafts[i][:, None]).squeeze(-1)
                 self.q[row, :Bv] = q
         self.drafts[rows, :Bv] = drafts
@@ -689,7 +688,7 @@ class Engine:
             else:
                 dist = p[a]
             accepted[i] = a
-            bonus[i] = torch.multinomial(dist / dist.sum(), 1, generator=req.generator)[0]
+            bonus[i] = draw(dist, req.generator)
         return accepted, bonus
 
     def _branches(self, n: int, Bv: int, cap: int, stats: StepStats) -> torch.Tensor:
@@ -818,7 +817,7 @@ def tree_sample(p: torch.Tensor, tokens: torch.Tensor, parent: torch.Tensor, gen
             r = r.clone()
             r[t] = 0  # rejected: the remaining mass is r without t (it is > 0: t did not hold all of it)
         else:
-            return node, int(torch.multinomial(r, 1, generator=generator)[0])
+            return node, int(draw(r, generator))
 
 
 def tree_ancestors(parent: torch.Tensor) -> torch.Tensor:

@@ -51,12 +51,20 @@ def filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     return logits
 
 
+def draw(weights: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """[..., V] non-negative weights -> [...] tokens drawn in proportion to them, by the inverse CDF: one
+    uniform per row (torch.multinomial draws an exponential per vocabulary entry: 3 ms for 8 x 49k on a CPU
+    core). A zero-weight token owns an empty interval and is never drawn."""
+    cdf = weights.double().cumsum(-1)
+    u = torch.rand(cdf.shape[:-1] + (1,), generator=generator, dtype=cdf.dtype, device=cdf.device) * cdf[..., -1:]
+    return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp(max=cdf.shape[-1] - 1)
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
     """[N, V] -> [N] next tokens: argmax when greedy, else a draw from the filtered distribution."""
     if params.greedy:
         return logits.float().argmax(-1)  # argmax over bf16 on CPU is ~10x slower than the cast + argmax
-    probs = filtered_logits(logits, params).softmax(-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return draw(filtered_logits(logits, params).softmax(-1), generator)
 
 
 @dataclass
