@@ -1,5 +1,6 @@
 """The decoding engine is lossless whatever the drafter does: greedy outputs equal AR greedy token for token,
 sampled outputs follow the target's distribution; continuous batching never changes another row."""
+import itertools
 import math
 from pathlib import Path
 
@@ -9,16 +10,17 @@ import torch
 from conftest import make_tiny_hf
 from flexdraft.config import RuntimeConfig
 from flexdraft.drafter import Drafter, DrafterConfig, read_drafter_meta, load_drafter
-from flexdraft.engine import Engine, EngineConfig, parallel_forward
+from flexdraft.engine import CostModel, Engine, EngineConfig, parallel_forward
 from flexdraft.errors import FlexDraftError
 from flexdraft.generate import SamplingParams, filtered_logits, generate, prefill
+from flexdraft.lookup import NgramIndex
 from flexdraft.models.loading import load_model
 from flexdraft.training import Sequences, training_step
 
 CPU32 = RuntimeConfig(device="cpu", dtype="float32", threads=1, cpu_prepack=False)
 EOS = 2
 MODES = [("sequential", {}), ("parallel", {}), ("parallel", {"top_m": 2}), ("tree", {}), ("parallel", {"rho": 0.6}),
-         ("adaptive", {"switch_batch": 3}), ("adaptive", {"switch_batch": 3, "cost_model": False})]
+         ("adaptive", {"switch_batch": 3}), ("adaptive", {"switch_batch": 3, "cost_model": False}), ("lookup", {})]
 
 
 @pytest.fixture(scope="module")
@@ -256,7 +258,7 @@ def chi_square_ok(counts: dict, exact: dict, n: int, alpha_z: float = 3.09) -> t
 @pytest.mark.parametrize("top_p", [1.0, 0.8])
 def test_speculative_sampling_follows_the_target_distribution(tmp_path, top_p):
     """Tiny vocabulary (12 tokens), temperature 1 (and top-p 0.8): the first 3 tokens of 6000 sampled
-    generations in sequential, parallel and tree mode, with a random drafter whose q is far from p, match the
+    generations in sequential, parallel, tree and lookup mode, with a random drafter whose q is far from p, match the
     exact target distribution (enumerated) by a chi-square test at significance 0.001; the same counts fail
     against the distribution at temperature 1.3 (the test has power)."""
     make_tiny_hf("llama", tmp_path, vocab_size=12, bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -269,7 +271,7 @@ def test_speculative_sampling_follows_the_target_distribution(tmp_path, top_p):
     prompt = [3, 7, 5, 9]
     exact = exact_distribution(model, prompt, SamplingParams(temperature=1.0, top_p=top_p), 3)
     N = 6000
-    for mode in ("sequential", "parallel", "tree"):
+    for mode in ("sequential", "parallel", "tree", "lookup"):  # lookup: point-mass drafts, where a 1-gram repeats
         engine = Engine(model, drafter, EngineConfig(mode=mode, max_batch=64, max_len=24))
         ids = [engine.add_request(prompt, SamplingParams(max_new_tokens=3, temperature=1.0, top_p=top_p, seed=i))
                for i in range(N)]
@@ -405,10 +407,10 @@ def test_adaptive_policy_follows_the_measured_costs(tiny, drafters):
     <= S rows, sequential above."""
     def engine(draft_cost: float, branch_cost: float, per_token: float = 1e-5, **kw):
         e = Engine(tiny, drafters["trained"], EngineConfig(mode="adaptive", switch_batch=2, max_batch=8, **kw))
-        for tokens in (1, 2, 4, 8, 16, 32, 64, 128, 512):
-            e.costs.record("target", tokens, 0.01 + per_token * tokens)
-            e.costs.record("parallel", tokens, branch_cost + 2e-5 * tokens)
-            e.costs.record("draft", tokens, draft_cost)
+        for rows, tokens in itertools.product((1, 2, 4, 8), (1, 2, 3, 5, 9, 18, 45)):
+            e.costs.record("target", rows, tokens, 0.01 + per_token * rows * tokens)
+            e.costs.record("parallel", rows, tokens, branch_cost + 2e-5 * rows * tokens)
+            e.costs.record("draft", rows, tokens, draft_cost)
         return e
 
     cheap, costly = engine(0.005, 0.01, tree_nodes=0), engine(0.1, 0.1)
@@ -419,3 +421,63 @@ def test_adaptive_policy_follows_the_measured_costs(tiny, drafters):
     assert engine(0.005, 0.01, per_token=3e-3)._choose(5).mode != "tree"
     rule = Engine(tiny, drafters["trained"], EngineConfig(mode="adaptive", switch_batch=2, cost_model=False))
     assert [rule._choose(n).mode for n in (1, 2, 3)] == ["parallel", "parallel", "sequential"]
+
+
+def test_lookup_proposes_what_followed_the_latest_longest_match():
+    """Prompt lookup: the longest suffix n-gram's latest earlier occurrence decides; a continuation that runs
+    into the present repeats itself (a loop proposes its next k tokens); no match, no drafts; growing the
+    index token by token gives what building it at once gives."""
+    index = NgramIndex([5, 6, 7, 8, 1, 6, 7, 9, 2, 6, 7], max_n=3)
+    assert index.propose(3) == ([9, 2, 6], 2)  # "6 7" last seen before "9 2 6"; "1 6 7", "8 1 6 7"... not seen
+    index.extend([9])
+    assert index.propose(3) == ([2, 6, 7], 3)  # now "6 7 9" matches (3-gram wins over the later 1-gram "9")
+    loop = NgramIndex([4, 1, 2, 1, 2], max_n=2)
+    assert loop.propose(5) == ([1, 2, 1, 2, 1], 2)  # period 2: continued past the present
+    assert NgramIndex([1, 2, 3], max_n=4).propose(4) == ([], 0)
+    tokens = torch.randint(0, 6, (60,), generator=torch.Generator().manual_seed(0)).tolist()
+    grown = NgramIndex(tokens[:5], max_n=4)
+    for i in range(5, 60):
+        grown.extend([tokens[i]])
+        assert grown.propose(6) == NgramIndex(tokens[: i + 1], max_n=4).propose(6)
+
+
+def test_adaptive_takes_lookup_steps_where_they_pay_and_stays_exact(tiny, drafters):
+    """The tiny model's greedy text repeats itself, so n-gram drafts are right; with measured costs adaptive
+    interleaves lookup steps (one forward, no drafter) with its other plans, equals AR greedy, and verifies
+    fewer forwards than with lookup off; where a forward's cost grows steeply with its tokens it takes none."""
+    prompts = ragged_prompts(3, seed=3)
+    params = SamplingParams(max_new_tokens=28)
+    ref = [g.token_ids for g in generate(tiny, prompts, params)]
+
+    def run(lookup: int, per_token: float = 1e-5):
+        e = Engine(tiny, drafters["trained"], EngineConfig(mode="adaptive", max_batch=3, max_len=96, lookup=lookup))
+        for rows, tokens in itertools.product((1, 2, 3), (1, 2, 3, 5, 9, 18, 45)):
+            e.costs.record("target", rows, tokens, 0.01 + per_token * rows * tokens)
+            e.costs.record("parallel", rows, tokens, 0.012 + 2e-5 * rows * tokens)
+            e.costs.record("draft", rows, tokens, 0.008)
+        ids = [e.add_request(p, params) for p in prompts]
+        modes = []
+        while e.has_work():
+            e.step()
+            modes.append(e.last_stats.mode)
+        assert [e.result(i).token_ids for i in ids] == ref
+        return modes, e.totals["target_forwards"]
+
+    (modes, forwards), (off_modes, off_forwards) = run(4), run(0)
+    assert "lookup" in modes and len(set(modes) - {"lookup"}) and "lookup" not in off_modes
+    assert forwards < off_forwards
+    assert "lookup" not in run(4, per_token=0.05)[0]
+
+
+def test_cost_model_tells_rows_from_tokens_per_row():
+    """Forward costs are kept by (rows, tokens per row): between measured points time is linear in tokens per
+    row along a row count, then in rows; beyond the most rows measured, proportional. 16 rows x 2 tokens and
+    4 rows x 8 carry as many tokens but do not cost the same."""
+    costs = CostModel()
+    f = lambda rows, tokens: 0.01 + 0.001 * rows + 0.0005 * rows * tokens  # noqa: E731  (bilinear)
+    for rows, tokens in itertools.product((1, 4, 16), (1, 3, 9)):
+        costs.record("target", rows, tokens, f(rows, tokens))
+    for rows, tokens in ((16, 2), (4, 8), (10, 5), (2, 1), (16, 9)):
+        assert costs.seconds("target", rows, tokens) == pytest.approx(f(rows, tokens))
+    assert costs.seconds("target", 16, 2) != pytest.approx(costs.seconds("target", 4, 8))
+    assert costs.seconds("target", 32, 3) == pytest.approx(2 * f(16, 3))

@@ -43,8 +43,8 @@ def cmd_generate(args) -> None:
         seed=args.seed,
     )
     cfg = EngineConfig(mode=args.mode or "adaptive", block_size=args.block_size, switch_batch=args.switch_batch,
-                       top_m=args.top_m, rho=args.rho, tree_nodes=args.tree_nodes, max_batch=args.batch_size,
-                       max_len=args.max_len)
+                       top_m=args.top_m, rho=args.rho, tree_nodes=args.tree_nodes, lookup=args.lookup,
+                       max_batch=args.batch_size, max_len=args.max_len)
     lm, engine, note = load_engine(args.model, _runtime(args), args.drafter, cfg, mode_given=args.mode is not None)
     tok = lm.tokenizer
     if args.prompt is not None:
@@ -135,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float)
     g.add_argument("--top-k", type=int)
     g.add_argument("--seed", type=int)
-    g.add_argument("--mode", choices=["ar", "sequential", "tree", "parallel", "adaptive"],
+    g.add_argument("--mode", choices=["ar", "sequential", "tree", "parallel", "lookup", "adaptive"],
                    help="decoding mode (default: adaptive when a drafter is available, else ar)")
     g.add_argument("--drafter", help="drafter folder, or 'init' (untrained); default: the default pipeline's")
     g.add_argument("--block-size", type=int, default=0, help="drafts verified per step (0 = the drafter's)")
@@ -144,6 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--rho", type=float, default=1.0, help="parallel: keep branches covering this mass")
     g.add_argument("--tree-nodes", type=int, default=8,
                    help="tree (and adaptive): drafts verified per row as a token tree (0 = no trees)")
+    g.add_argument("--lookup", type=int, default=4,
+                   help="prompt-lookup drafts from n-grams of up to this size (lookup, adaptive; 0 = none)")
     g.add_argument("--max-len", type=int, default=0, help="cache slots per row (0: min(2048, context))")
     g.add_argument("--json", action="store_true", help="one JSON line per prompt, in input order")
     g.set_defaults(func=cmd_generate)

@@ -14,7 +14,8 @@ their full distributions q for sampled rows); `from_branch` says whether a paral
      [bonus, d_1..d_Bv] per row. Sequential mode drafts again next step; tree mode verifies a
      token tree built from each slot's top candidates instead of the chain d_1..d_Bv; parallel mode carries
      candidate draft blocks (branches) through the same verify forward and keeps the one matching the
-     accepted length;
+     accepted length. A lookup step verifies prompt-lookup drafts instead (the tokens that followed the
+     latest earlier occurrence of the row's last n tokens, `lookup.NgramIndex`) and runs no drafter;
   3. finished rows leave (the last row moves into the freed one: rows stay contiguous).
 Lossless: every emitted token is the target's argmax (greedy) or drawn by speculative sampling against
 the target's distribution; the drafts only decide how many of them one forward yields.
@@ -32,15 +33,16 @@ import torch
 from flexdraft.drafter import Drafter
 from flexdraft.errors import FlexDraftError
 from flexdraft.generate import Generation, SamplingParams, draw, filtered_logits, make_generator, prefill, sample
+from flexdraft.lookup import PRIOR_ACCEPTED, NgramIndex
 from flexdraft.models.transformer import Linear, Transformer, attend, grouped_bias
 
-MODES = ("ar", "sequential", "tree", "parallel", "adaptive")
+MODES = ("ar", "sequential", "tree", "parallel", "lookup", "adaptive")
 
 
 @dataclass
 class EngineConfig:
-    mode: str = "adaptive"  # ar | sequential | tree | parallel | adaptive
-    block_size: int = 0  # drafts verified per step; 0 = the drafter's block size (at most that)
+    mode: str = "adaptive"  # ar | sequential | tree | parallel | lookup | adaptive
+    block_size: int = 0  # drafts verified per step; 0 = the drafter's block size (at most that; lookup alone: 8)
     switch_batch: int = 4  # S: adaptive runs parallel mode at <= S active rows, sequential above
     top_m: int = 0  # parallel: keep at most the m most probable branches per row; 0 = no cap
     rho: float = 1.0  # parallel: keep the most probable branches until they cover this mass; 1 = all
@@ -48,14 +50,16 @@ class EngineConfig:
     cost_model: bool = True  # adaptive: per step, pick AR / sequential / tree / parallel and Bv by measured cost
     tree_nodes: int = 8  # tree mode (and adaptive's tree option): drafts verified per row as a token tree; 0 = none
     tree_width: int = 4  # a tree's depth-j nodes are among slot j's top tree_width drafts
+    lookup: int = 4  # prompt-lookup drafts from n-grams of up to this size: adaptive weighs a lookup step every
+    #                  step (with the cost model), mode lookup takes one whenever a row has a match; 0 = none
     max_batch: int = 16  # rows decoded together; further requests wait
     max_len: int = 0  # cache slots per row (see Engine.slots_needed); 0 = min(2048, context)
 
     def check(self, drafter: Drafter | None, context: int) -> None:
         if self.mode not in MODES:
             raise FlexDraftError(f"engine mode must be one of {', '.join(MODES)}, got {self.mode!r}")
-        if self.mode != "ar" and drafter is None:
-            raise FlexDraftError(f"mode {self.mode} needs a drafter (mode ar does not)")
+        if self.mode not in ("ar", "lookup") and drafter is None:
+            raise FlexDraftError(f"mode {self.mode} needs a drafter (modes ar and lookup do not)")
         if drafter is not None and not 0 <= self.block_size <= drafter.config.block_size:
             raise FlexDraftError(f"block_size={self.block_size} must be at most the drafter's block size "
                                  f"{drafter.config.block_size} (0 = the drafter's)")
@@ -68,6 +72,11 @@ class EngineConfig:
                                  f"{self.tree_width}")
         if self.mode == "tree" and not self.tree_nodes:
             raise FlexDraftError("mode tree needs tree_nodes >= 1")
+        if self.block_size < 0:
+            raise FlexDraftError(f"block_size must be >= 0, got {self.block_size}")
+        if self.lookup < 0 or (self.mode == "lookup" and not self.lookup):
+            raise FlexDraftError(f"lookup (the longest n-gram matched) must be >= 0, and >= 1 for mode lookup, "
+                                 f"got {self.lookup}")
         if self.switch_batch < 0:
             raise FlexDraftError(f"switch_batch must be >= 0, got {self.switch_batch}")
         if self.max_batch < 1:
@@ -80,7 +89,7 @@ class EngineConfig:
 
 @dataclass
 class StepStats:
-    mode: str  # ar | sequential | parallel | idle
+    mode: str  # ar | sequential | tree | parallel | lookup | idle
     rows: int  # rows decoded this step (after admission)
     admitted: int = 0
     block: int = 0  # drafts verified per row
@@ -102,6 +111,7 @@ class _Request:
     accepted: list[int] = field(default_factory=list)  # accepted drafts per speculative step
     forwards: int = 0  # target forwards after the prefill (AR or verify steps)
     finish_reason: str | None = None
+    index: NgramIndex | None = None  # its prompt and tokens, for lookup drafts
 
 
 class AcceptanceModel:
@@ -111,11 +121,13 @@ class AcceptanceModel:
     the drafter's validation tau (bonus / mask calibrated / tree of N nodes) when it has one, else r = 0.5.
     Without a validation tau for its size, a tree of N nodes starts from the sequential prior's expected
     accepted drafts times 1 + 0.13 log2(N / 4): what trees of 8 / 16 / 32 nodes added over the chain on the
-    default SmolLM2 drafter's validation split (+13% / +25% / +35%, 1,856 blocks)."""
+    default SmolLM2 drafter's validation split (+13% / +25% / +35%, 1,856 blocks). Prompt-lookup drafts count
+    apart by the size n of the n-gram that matched (kind `lookup<n>`), from `lookup.PRIOR_ACCEPTED`."""
 
     KINDS = ("sequential", "tree", "parallel")
 
     def __init__(self, block: int, prior: dict | None = None, weight: float = 20.0, tree_nodes: int = 8):
+        self.block, self.weight = block, weight
         self.tried = {k: torch.full((block,), weight, dtype=torch.float64) for k in self.KINDS}
         self.passed = {}
         prior = prior or {}
@@ -141,7 +153,14 @@ class AcceptanceModel:
                 hi = mid
         return lo
 
+    def _lookup_kind(self, kind: str) -> None:
+        if kind not in self.tried:  # lookup<n>: a rate whose expected accepted of 8 drafts is the prior's
+            rate = self._rate_for(PRIOR_ACCEPTED[min(int(kind[len("lookup"):]), max(PRIOR_ACCEPTED))], 8)
+            self.tried[kind] = torch.full((self.block,), self.weight, dtype=torch.float64)
+            self.passed[kind] = self.tried[kind] * rate
+
     def record(self, kind: str, block: int, accepted: list[int]) -> None:
+        self._lookup_kind(kind)
         for a in accepted:
             n = min(a + 1, block)  # drafts 1..a passed, draft a+1 (if any) failed
             self.tried[kind][:n] += 1
@@ -157,24 +176,28 @@ class AcceptanceModel:
 
     def _at_least(self, kind: str, block: int) -> torch.Tensor:
         """[block + 1]: P(accepted >= a) for a = 0..block."""
+        self._lookup_kind(kind)
         rate = self.passed[kind][:block] / self.tried[kind][:block]
         return torch.cat((rate.new_ones(1), rate.cumprod(0)))
 
 
 class CostModel:
     """Seconds of a forward of each kind ("target": AR or verify, "draft": a sequential drafter pass,
-    "parallel": verify + branches) as a function of the tokens it carries, on this device.
+    "parallel": verify + branches) as a function of the rows it carries and the tokens per row, on this device.
+    Before lookup steps it was kept by total tokens and the target measured at 1 and B + 1 tokens per row only,
+    so a 16-row verify of 2 tokens each was priced as the 4-row x 9-token forward it was measured as.
 
-    `Engine.profile` measures each kind over a grid of sizes (log2-spaced buckets, linear interpolation
-    between them): these fix the *relative* costs the policy compares. Timed forwards while serving only
-    move one common `scale` (how loaded the machine is now), never one kind alone: a burst of noise during
-    a few AR steps must not make the policy lock onto a mode it then never re-measures against. Without a
-    profile, timed forwards fill the buckets directly."""
+    `Engine.profile` measures each kind over a grid of row counts x tokens per row; between grid points the
+    time is linear in tokens per row along a measured row count, then linear in rows between the two nearest
+    row counts (beyond the largest: proportional to rows). The profile fixes the *relative* costs the policy
+    compares. Timed forwards while serving only move one common `scale` (how loaded the machine is now), never
+    one kind alone: a burst of noise during a few AR steps must not make the policy lock onto a mode it then
+    never re-measures against. Without a profile, timed forwards fill the grid directly."""
 
     KINDS = ("target", "draft", "parallel")
 
     def __init__(self):
-        self.points: dict[str, dict[int, float]] = {k: {} for k in self.KINDS}
+        self.points: dict[str, dict[tuple[int, int], float]] = {k: {} for k in self.KINDS}  # (rows, tokens) -> s
         self.profiled = False
         self.scale = 1.0
         # mode -> seconds per step outside the forwards (acceptance, sampling, branch choice, bookkeeping). They
@@ -191,38 +214,43 @@ class CostModel:
         """A mode not run yet borrows the smallest overhead seen (optimistic: it gets tried, then measured)."""
         return self.step_overhead.get(mode, min(self.step_overhead.values(), default=0.0))
 
-    @staticmethod
-    def _bucket(tokens: int) -> int:
-        return round(2 * math.log2(max(tokens, 1)))
-
-    def set_profile(self, points: dict[str, dict[int, float]]) -> None:
+    def set_profile(self, points: dict[str, dict[tuple[int, int], float]]) -> None:
         self.points = {k: dict(points.get(k, {})) for k in self.KINDS}
         self.profiled, self.scale = True, 1.0
 
-    def record(self, kind: str, tokens: int, seconds: float) -> None:
+    def record(self, kind: str, rows: int, tokens: int, seconds: float) -> None:
+        """A timed forward of `rows` rows x `tokens` tokens each."""
         if self.profiled:
-            self.scale = 0.95 * self.scale + 0.05 * seconds / max(self._interpolate(kind, tokens), 1e-9)
+            self.scale = 0.95 * self.scale + 0.05 * seconds / max(self._interpolate(kind, rows, tokens), 1e-9)
             return
-        pts, b = self.points[kind], self._bucket(tokens)
-        pts[b] = seconds if b not in pts else 0.8 * pts[b] + 0.2 * seconds
+        pts = self.points[kind]
+        old = pts.get((rows, tokens))
+        pts[(rows, tokens)] = seconds if old is None else 0.8 * old + 0.2 * seconds
 
     def known(self, kind: str) -> bool:
         return bool(self.points[kind])
 
-    def seconds(self, kind: str, tokens: int) -> float:
-        return self.scale * self._interpolate(kind, tokens)
+    def seconds(self, kind: str, rows: int, tokens: int) -> float:
+        return self.scale * self._interpolate(kind, rows, tokens)
 
-    def _interpolate(self, kind: str, tokens: int) -> float:
-        pts, b = self.points[kind], self._bucket(tokens)
-        if b in pts:
-            return pts[b]
-        lo, hi = [k for k in pts if k < b], [k for k in pts if k > b]
-        if lo and hi:
-            l, h = max(lo), min(hi)
-            return pts[l] + (pts[h] - pts[l]) * (b - l) / (h - l)
-        if lo:  # beyond every measured size: time grows linearly with tokens
-            return pts[max(lo)] * 2 ** ((b - max(lo)) / 2)
-        return pts[min(hi)]
+    def _interpolate(self, kind: str, rows: int, tokens: int) -> float:
+        counts = sorted({r for r, _ in self.points[kind]})
+        lo, hi = [r for r in counts if r <= rows], [r for r in counts if r >= rows]
+        if not hi:  # more rows than ever measured: proportional
+            return self._along(kind, lo[-1], tokens) * rows / lo[-1]
+        if not lo:
+            return self._along(kind, hi[0], tokens)
+        a, b = self._along(kind, lo[-1], tokens), self._along(kind, hi[0], tokens)
+        return a if lo[-1] == hi[0] else a + (b - a) * (rows - lo[-1]) / (hi[0] - lo[-1])
+
+    def _along(self, kind: str, rows: int, tokens: int) -> float:
+        """Piecewise linear in tokens per row over the sizes measured at this row count (extended linearly)."""
+        line = sorted((t, s) for (r, t), s in self.points[kind].items() if r == rows)
+        if len(line) == 1:
+            return line[0][1] * max(tokens / line[0][0], 1.0)
+        i = next((i for i in range(1, len(line) - 1) if tokens <= line[i][0]), len(line) - 1)
+        (t0, s0), (t1, s1) = line[i - 1], line[i]
+        return max(s0 + (s1 - s0) * (tokens - t0) / (t1 - t0), 0.0)
 
 
 @dataclass(frozen=True)
@@ -250,7 +278,14 @@ class Engine:
                     module.pack()
         if drafter is not None:
             drafter.pair_with(target)
-        self.B = (config.block_size or drafter.config.block_size) if drafter is not None else 0
+        if drafter is not None:
+            self.B = config.block_size or drafter.config.block_size
+        else:
+            self.B = (config.block_size or 8) if config.mode == "lookup" else 0
+        # n-gram size of prompt-lookup drafts (0: none); adaptive weighs them by cost only
+        weighed = config.mode == "lookup" or (config.mode == "adaptive" and config.cost_model)
+        self.lookup = config.lookup if weighed else 0
+        self._proposals: list[tuple[list[int], int]] = []  # this step's lookup drafts per row (drafts, n-gram size)
         self.eos = set(eos_token_ids)
         R, dev = config.max_batch, target.device
         self.cache = target.new_cache(R, config.max_len)
@@ -271,7 +306,7 @@ class Engine:
         self._ids = itertools.count()
         self.acceptance = AcceptanceModel(max(self.B, 1), acceptance_prior, tree_nodes=config.tree_nodes)
         self.costs = CostModel()
-        self._plans: dict[int, tuple[Plan, int]] = {}  # rows -> (adaptive plan, step it was made)
+        self._plans: dict[int, tuple[Plan, float, int]] = {}  # rows -> (adaptive plan, its tokens/s, step made)
         self.last_stats = StepStats("idle", 0)
         self.totals = {"steps": 0, "tokens": 0, "target_forwards": 0, "pruned_misses": 0, "parallel_rows": 0}
 
@@ -293,7 +328,8 @@ class Engine:
             raise FlexDraftError(f"prompt of {len(prompt)} tokens + max_new_tokens {params.max_new_tokens} + "
                                  f"{need - len(prompt) - params.max_new_tokens} verify and branch slots = {need} "
                                  f"exceeds the cache of {self.config.max_len} slots per row (engine max_len)")
-        req = _Request(next(self._ids), prompt, params, make_generator(params, self.target.device))
+        req = _Request(next(self._ids), prompt, params, make_generator(params, self.target.device),
+                       index=NgramIndex(prompt, self.lookup) if self.lookup else None)
         if not params.greedy and self.q is None and self.B:
             self.q = torch.zeros(self.config.max_batch, self.B, V, device=self.target.device)
         self.waiting.append(req)
@@ -353,7 +389,9 @@ class Engine:
         if n:
             plan = self._choose(n)
             stats.mode, stats.rows, stats.block = plan.mode, n, plan.block
-            if plan.mode != "ar":
+            if plan.mode == "lookup":
+                self._set_lookup_drafts(n, plan.block)
+            elif plan.mode != "ar":
                 need = (self.ndrafts[:n] < plan.block).nonzero().squeeze(-1)
                 if need.numel():
                     stats.drafted_rows = need.numel()
@@ -373,49 +411,94 @@ class Engine:
         if self.target.device.type == "cuda":
             torch.cuda.synchronize()
 
-    def _timed(self, stats: StepStats, kind: str, tokens: int, fn):
-        """Run fn, add its wall time to the step's stats under `kind` and, when tokens > 0, to the cost model."""
+    def _timed(self, stats: StepStats, kind: str, fn, rows: int = 0, tokens: int = 0):
+        """Run fn, add its wall time to the step's stats under `kind` and, for a forward of `rows` rows x `tokens`
+        tokens each, to the cost model."""
         self._sync()
         t0 = time.perf_counter()
         result = fn()
         self._sync()
         dt = time.perf_counter() - t0
         stats.forward_seconds[kind] = stats.forward_seconds.get(kind, 0.0) + dt
-        if tokens:
-            self.costs.record(kind, tokens, dt)
+        if rows:
+            self.costs.record(kind, rows, tokens, dt)
         return result
 
     def _choose(self, n: int) -> Plan:
-        """The plan of a step with n rows. Forced modes use the config. Adaptive: parallel mode at
-        <= switch_batch rows, sequential above; with the cost model, whichever of AR, sequential with 1/2/4/B
-        drafts, a tree of tree_nodes drafts and (at <= switch_batch rows) parallel with 1/2/4/B drafts and
-        1/2/3/all branches promises the most tokens per second (tokens from the acceptance model, seconds from
-        the measured costs)."""
+        """The plan of a step with n rows. Forced modes use the config (lookup: AR when no row has a match).
+        Adaptive: parallel mode at <= switch_batch rows, sequential above; with the cost model, whichever of AR,
+        sequential with 1/2/4/B drafts, a tree of tree_nodes drafts and (at <= switch_batch rows) parallel with
+        1/2/4/B drafts and 1/2/3/all branches promises the most tokens per second (tokens from the acceptance
+        model, seconds from the measured costs), unless this step's lookup drafts promise more."""
         cfg, B = self.config, self.B
+        if cfg.mode == "lookup":
+            return self._lookup_plan(n, 0.0) or Plan("ar")
         if cfg.mode != "adaptive":
             return Plan(cfg.mode, 0 if cfg.mode == "ar" else B)
         rule = "parallel" if n <= cfg.switch_batch else "sequential"
         if not cfg.cost_model or not all(self.costs.known(k) for k in CostModel.KINDS):
             return Plan(rule, B)
         step = self.totals["steps"]
-        if n in self._plans and step - self._plans[n][1] < 16:  # re-plan every 16 steps (costs drift slowly)
-            return self._plans[n][0]
-        self._plans[n] = (self._plan(n, rule), step)
-        return self._plans[n][0]
+        if n not in self._plans or step - self._plans[n][2] >= 16:  # re-plan every 16 steps (costs drift slowly)
+            self._plans[n] = (*self._plan(n, rule), step)
+        plan, rate, _ = self._plans[n]
+        if self.lookup:  # against an AR step, a margin (see LOOKUP_MARGIN)
+            return self._lookup_plan(n, rate * (self.LOOKUP_MARGIN if plan.mode == "ar" else 1.0)) or plan
+        return plan
 
-    def _plan(self, n: int, rule: str) -> Plan:
+    # A lookup step replaces a planned AR step only if it promises 50% more tokens/s. On the 2-core CPU, at 15-16
+    # rows lookup steps that promised 10-25% over AR measured 5-20% under it (with MT-Bench's long contexts a
+    # multi-token verify costs more, next to a one-token step, than in the profile taken at 256 cached tokens),
+    # and with a 25% margin adaptive still measured 0.94-0.98x of AR at batch 4 and 16 where adaptive without
+    # lookup measured 0.96-1.05x. Against a speculative plan (a multi-token verify too) the bias cancels and no
+    # margin applies; where verifying tokens is nearly free (a GPU) lookup promises more and passes it.
+    LOOKUP_MARGIN = 1.5
+
+    def _lookup_plan(self, n: int, rate_to_beat: float) -> Plan | None:
+        """A lookup step with 1/2/4/B drafts per row if one promises more than rate_to_beat tokens per second
+        (every row's match, its n-gram size's acceptance so far; rows without a match still get one token)."""
+        self._proposals = [req.index.propose(self.B) for req in self.slots[:n]]
+        sizes = [size for _, size in self._proposals if size]
+        if not sizes:
+            return None
+        if self.config.mode == "lookup":
+            return Plan("lookup", self.B)
+        best, best_rate = None, rate_to_beat
+        count = {size: sizes.count(size) for size in set(sizes)}
+        for Bv in sorted({1, 2, 4, self.B} & set(range(1, self.B + 1))):
+            tokens = n + sum(c * self.acceptance.expected_accepted(f"lookup{size}", Bv) for size, c in count.items())
+            seconds = self.costs.seconds("target", n, Bv + 1) + self.costs.overhead("lookup")
+            if tokens / seconds > best_rate:
+                best, best_rate = Plan("lookup", Bv), tokens / seconds
+        return best
+
+    def _set_lookup_drafts(self, n: int, Bv: int) -> None:
+        """Rows 0..n-1 get their lookup drafts (a row without a match: its bonus repeated, verified like any
+        draft); sampled rows' q is the point mass on each draft (accepted with probability p(d_j))."""
+        rows = [(d or [b] * Bv)[:Bv] for (d, _), b in zip(self._proposals, self.bonus[:n].tolist())]
+        drafts = torch.tensor(rows, dtype=torch.long, device=self.drafts.device)  # [n, Bv]
+        self.drafts[:n, :Bv] = drafts
+        self.conf[:n, :Bv] = 1.0
+        self.ndrafts[:n] = Bv
+        self.from_branch[:n] = False
+        for row in range(n):
+            if not self.slots[row].params.greedy:
+                self.q[row, :Bv] = torch.nn.functional.one_hot(drafts[row], self.q.shape[-1]).float()
+
+    def _plan(self, n: int, rule: str) -> tuple[Plan, float]:
+        """-> the best plan and its expected tokens per second."""
         B = self.B
         acc, costs = self.acceptance, self.costs
-        best, best_rate = Plan("ar"), n / (costs.seconds("target", n) + costs.overhead("ar"))
+        best, best_rate = Plan("ar"), n / (costs.seconds("target", n, 1) + costs.overhead("ar"))
         for Bv in sorted({1, 2, 4, B} & set(range(1, B + 1))):
             tokens = n * (1 + acc.expected_accepted("sequential", Bv))
-            rate = tokens / (costs.seconds("target", n * (Bv + 1)) + costs.seconds("draft", n * (Bv + 1))
+            rate = tokens / (costs.seconds("target", n, Bv + 1) + costs.seconds("draft", n, Bv + 1)
                              + costs.overhead("sequential"))
             if rate > best_rate:
                 best, best_rate = Plan("sequential", Bv), rate
         if self.trees:
             rate = n * (1 + acc.expected_accepted("tree", B)) / (
-                costs.seconds("target", n * (self.config.tree_nodes + 1)) + costs.seconds("draft", n * (B + 1))
+                costs.seconds("target", n, self.config.tree_nodes + 1) + costs.seconds("draft", n, B + 1)
                 + costs.overhead("tree"))
             if rate > best_rate:
                 best, best_rate = Plan("tree", B), rate
@@ -424,17 +507,17 @@ class Engine:
             tokens = n * (1 + acc.expected_accepted("parallel", Bv))
             for m in sorted({1, 2, 3, Bv + 1} & set(range(1, Bv + 2))):
                 miss = max(0.0, 1 - float(p_len[:m].sum()))  # a pruned branch: a drafter pass next step
-                seconds = (costs.seconds("parallel", n * (Bv + 1) * (1 + m)) + costs.overhead("parallel")
-                           + miss * costs.seconds("draft", n * (Bv + 1)))
+                seconds = (costs.seconds("parallel", n, (Bv + 1) * (1 + m)) + costs.overhead("parallel")
+                           + miss * costs.seconds("draft", n, Bv + 1))
                 if tokens / seconds > best_rate:
                     best, best_rate = Plan("parallel", Bv, m), tokens / seconds
-        return best
+        return best, best_rate
 
     @torch.inference_mode()
     def profile(self, context: int = 256, repeats: int = 2) -> dict:
         """Time each kind of forward over the sizes the adaptive policy weighs (rows at `context` cached
-        tokens), seeding the cost model; must run while no request is active. Returns {kind: {tokens: s}}
-        (tokens rounded to the half-octave buckets the model keeps)."""
+        tokens), seeding the cost model; must run while no request is active. Returns {kind: {(rows, tokens
+        per row): s}}."""
         if self.slots:
             raise FlexDraftError("profile() needs an idle engine (no active rows)")
         if self.drafter is None:
@@ -444,9 +527,9 @@ class Engine:
         self.cache.lens.fill_(ctx)
         self.bonus.fill_(0)
         self.drafts.fill_(0)
-        verify = sorted({1, B + 1, self.config.tree_nodes + 1} if self.trees else {1, B + 1})
-        shapes = [("target", n, T, 0) for n in (1, 2, 4, 8, 16, 32, 64) if n <= R for T in verify]
         blocks = sorted({2, 3, 5, B + 1} & set(range(2, B + 2)))  # the block lengths the policy weighs
+        verify = sorted({1, *blocks, self.config.tree_nodes + 1} if self.trees else {1, *blocks})
+        shapes = [("target", n, T, 0) for n in (1, 2, 4, 8, 16, 32, 64) if n <= R for T in verify]
         shapes += [("draft", n, T, 0) for n in (1, 2, 4, 8, 16, 32, 64) if n <= R for T in blocks]
         S = min(self.config.switch_batch, R)
         shapes += [("parallel", n, B + 1, m) for n in (1, 2, 4) if n <= max(S, 1) for m in (1, 2, B + 1)]
@@ -463,13 +546,12 @@ class Engine:
             times = []
             for _ in range(repeats + 1):  # the first run warms up; the fastest of the rest counts (noise only adds)
                 stats = StepStats("profile", n)
-                self._timed(stats, kind, 0, runs[kind])
+                self._timed(stats, kind, runs[kind])
                 times.append(stats.forward_seconds[kind])
-            points[kind][CostModel._bucket(n * T * (1 + m))] = min(times[1:])
+            points[kind][(n, T * (1 + m))] = min(times[1:])
         self.costs.set_profile(points)
-        result = {k: {2 ** (b / 2): t for b, t in sorted(pts.items())} for k, pts in points.items()}
         self.cache.lens.zero_()
-        return result
+        return points
 
     def _admit(self, out, stats) -> int:
         """Prefill waiting requests into free rows (longest first) and emit their first token."""
@@ -481,7 +563,7 @@ class Engine:
         n0 = len(self.slots)
         rows = torch.arange(n0, n0 + len(new), device=self.target.device)
         view = self.cache.rows(n0, n0 + len(new))
-        h = self._timed(stats, "prefill", 0, lambda: prefill(self.target, view, [r.prompt for r in new]))
+        h = self._timed(stats, "prefill", lambda: prefill(self.target, view, [r.prompt for r in new]))
         self.slots.extend(new)
         first = self._sample(self.target.logits(h), rows)  # [k]
         self.bonus[rows] = first
@@ -510,6 +592,8 @@ class Engine:
                 req.finish_reason = "eos"
                 break
         req.tokens.extend(emitted)
+        if req.index is not None:
+            req.index.extend(emitted)
         if req.finish_reason is None and len(req.tokens) >= req.params.max_new_tokens:
             req.finish_reason = "length"
         out.setdefault(req.id, []).extend(emitted)
@@ -541,7 +625,7 @@ class Engine:
 
     def _draft(self, rows: torch.Tensor, Bv: int, stats: StepStats) -> None:
         """Sequential drafter pass for `rows`: slot 0 = their known bonus, slots 1..Bv draft."""
-        logits = self._timed(stats, "draft", rows.numel() * (Bv + 1), lambda: self._draft_forward(rows, Bv))
+        logits = self._timed(stats, "draft", lambda: self._draft_forward(rows, Bv), rows.numel(), Bv + 1)
         self._set_drafts(rows, logits)
 
     def _draft_forward(self, rows: torch.Tensor, Bv: int) -> torch.Tensor:
@@ -576,13 +660,16 @@ class Engine:
         view = self.cache.rows(0, n)
         if mode == "parallel":
             anchors = self._branches(n, Bv, plan.branches, stats)  # [n, m]
-            logits, hb = self._timed(stats, "parallel", n * T + anchors.numel() * T,
-                                     lambda: self._parallel_logits(tokens, pos, view, anchors))
+            logits, hb = self._timed(stats, "parallel", lambda: self._parallel_logits(tokens, pos, view, anchors),
+                                     n, T * (1 + anchors.shape[1]))
         else:
-            logits = self._timed(stats, "target", n * T, lambda: self._target_logits(tokens, pos, view))
+            logits = self._timed(stats, "target", lambda: self._target_logits(tokens, pos, view), n, T)
             hb = None
         accepted, new_bonus = self._accept(logits, tokens[:, 1:], rows)  # [n], [n]
-        kinds = ["parallel" if b else "sequential" for b in self.from_branch[:n].tolist()] if mode != "ar" else None
+        if mode == "lookup":
+            kinds = [f"lookup{size}" if size else None for _, size in self._proposals]
+        else:
+            kinds = ["parallel" if b else "sequential" for b in self.from_branch[:n].tolist()] if mode != "ar" else None
         self._commit(n, lens, accepted, new_bonus, self.drafts[:n, :Bv], kinds, Bv, out, stats)
         if hb is not None:
             self._take_branches(hb, anchors, accepted, new_bonus, Bv, stats)
@@ -599,7 +686,7 @@ class Engine:
         acc = accepted.tolist()
         if kinds is not None:
             stats.accepted = acc
-            for kind in AcceptanceModel.KINDS:
+            for kind in set(kinds) - {None}:
                 self.acceptance.record(kind, Bv, [a for a, k in zip(acc, kinds) if k == kind])
         drafts, bonus = drafts.tolist(), new_bonus.tolist()
         for r in range(n):
@@ -628,8 +715,8 @@ class Engine:
         tree_part = anc.gather(2, rel.clamp(0, N).expand(n, N + 1, span)) & (rel >= 0) & (rel <= N)
         mask = (rel < 0) | tree_part  # [n, N + 1, span]: the row's prefix and the node's own path
         view = self.cache.rows(0, n)
-        logits = self._timed(stats, "target", n * (N + 1), lambda: self.target.logits(
-            self.target(tokens, pos, view, mask=mask, span=span, slots=slots)))
+        logits = self._timed(stats, "target", lambda: self.target.logits(
+            self.target(tokens, pos, view, mask=mask, span=span, slots=slots)), n, N + 1)
         top = logits.float().argmax(-1)  # [n, N + 1]
         accepted, node = tree_walk(nodes == top.gather(1, parent), anc, depth)
         new_bonus = top.gather(1, node[:, None]).squeeze(1)

@@ -47,8 +47,11 @@ METHODS = {
     "parallel": Method("engine", (("mode", "parallel"),), "ablation: + calibration (all branches)"),
     "parallel-pruned": Method("engine", (("mode", "parallel"), ("top_m", None)),
                               "ablation: + selective verification (top_m branches)"),
+    "lookup": Method("engine", (("mode", "lookup"),), "our prompt lookup alone: n-gram drafts, no drafter"),
+    "adaptive-drafter": Method("engine", (("mode", "adaptive"), ("lookup", 0)),
+                               "adaptive without lookup drafts: the drafter's modes only"),
     "adaptive": Method("engine", (("mode", "adaptive"),),
-                       "the product: AR / sequential / tree / parallel per step by cost"),
+                       "the product: AR / sequential / tree / parallel / lookup per step by cost"),
 }
 SPECULATIVE = [m for m, spec in METHODS.items() if spec.kind == "engine" and m != "ar"]
 
@@ -117,7 +120,8 @@ def _engine(lm, choice, cfg: HarnessConfig, method: str, batch: int, max_len: in
     overrides = {k: (cfg.top_m if k == "top_m" else v) for k, v in METHODS[method].engine}
     ec = EngineConfig(max_batch=batch, max_len=max_len, switch_batch=cfg.switch_batch, tree_nodes=cfg.tree_nodes,
                       **overrides)
-    engine = Engine(lm.model, choice.drafter if method != "ar" else None, ec, lm.eos_token_ids, choice.prior)
+    engine = Engine(lm.model, choice.drafter if ec.mode not in ("ar", "lookup") else None, ec, lm.eos_token_ids,
+                    choice.prior)
     seed_costs(engine)
     return engine
 

@@ -19,7 +19,7 @@ from flexdraft.models.loading import LoadedModel, load_model
 from flexdraft.pipeline import PipelineConfig
 
 
-PROFILE_FORMAT = 8  # bump when Engine.profile measures other shapes or passes: cached profiles are then redone
+PROFILE_FORMAT = 9  # bump when Engine.profile measures other shapes or passes: cached profiles are then redone
 
 
 def default_drafter_dir() -> Path:
@@ -64,12 +64,14 @@ def seed_costs(engine: Engine, log=lambda s: print(s, file=sys.stderr)) -> None:
     path = profile_file(engine.target, engine.drafter, engine.config)
     if path.is_file():
         points = json.loads(path.read_text())
-        engine.costs.set_profile({k: {int(b): t for b, t in points[k].items()} for k in CostModel.KINDS})
+        engine.costs.set_profile({k: {tuple(map(int, key.split("x"))): t for key, t in points[k].items()}
+                                  for k in CostModel.KINDS})
         return
     log(f"[profiling forwards for the adaptive policy; cached in {path}]")
     engine.profile()
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(engine.costs.points))
+    path.write_text(json.dumps({k: {f"{rows}x{tokens}": t for (rows, tokens), t in pts.items()}
+                                for k, pts in engine.costs.points.items()}))  # "rows x tokens per row": seconds
 
 
 def load_engine(model: str, runtime: RuntimeConfig, drafter_spec: str | None, cfg: EngineConfig,
@@ -77,13 +79,13 @@ def load_engine(model: str, runtime: RuntimeConfig, drafter_spec: str | None, cf
     """-> (model, engine, a note saying which drafter and mode). Without an explicit mode: adaptive when a
     drafter is available, else AR. The adaptive policy's costs are not seeded here: see `seed_costs`."""
     lm = load_model(model, runtime)
-    choice = resolve_drafter(drafter_spec, lm.model, required=cfg.mode != "ar" and mode_given)
+    choice = resolve_drafter(drafter_spec, lm.model, required=cfg.mode not in ("ar", "lookup") and mode_given)
     if not mode_given:
         cfg.mode = "adaptive" if choice.drafter is not None else "ar"
     if choice.source:
         note = f"[drafter: {choice.source}; mode {cfg.mode}]"
     else:
         note = f"[no drafter (the default {default_drafter_dir()} does not exist): mode ar]"
-    engine = Engine(lm.model, choice.drafter if cfg.mode != "ar" else None, cfg, lm.eos_token_ids,
+    engine = Engine(lm.model, choice.drafter if cfg.mode not in ("ar", "lookup") else None, cfg, lm.eos_token_ids,
                     acceptance_prior=choice.prior)
     return lm, engine, note
