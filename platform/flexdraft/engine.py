@@ -449,9 +449,9 @@ class Engine:
     # A lookup step replaces a planned AR step only if it promises 50% more tokens/s. On the 2-core CPU, at 15-16
     # rows lookup steps that promised 10-25% over AR measured 5-20% under it (with MT-Bench's long contexts a
     # multi-token verify costs more, next to a one-token step, than in the profile taken at 256 cached tokens),
-    # and with a 25% margin adaptive still measured 0.94-0.98x of AR at batch 4 and 16 where adaptive without
-    # lookup measured 0.96-1.05x. Against a speculative plan (a multi-token verify too) the bias cancels and no
-    # margin applies; where verifying tokens is nearly free (a GPU) lookup promises more and passes it.
+    # and with a 25% margin adaptive still measured 0.95x of AR at batch 16 (mean of 3 datasets) where adaptive
+    # without lookup measured 0.98x in the same run. Against a speculative plan (a multi-token verify too) the
+    # bias cancels and no margin applies; where verifying tokens is nearly free (a GPU) lookup promises more.
     LOOKUP_MARGIN = 1.5
 
     def _lookup_plan(self, n: int, rate_to_beat: float) -> Plan | None:
