@@ -475,8 +475,8 @@ class Engine:
     def _set_lookup_drafts(self, n: int, Bv: int) -> None:
         """Rows 0..n-1 get their lookup drafts (a row without a match: its bonus repeated, verified like any
         draft); sampled rows' q is the point mass on each draft (accepted with probability p(d_j))."""
-        rows = [(d or [b] * Bv)[:Bv] for (d, _), b in zip(self._proposals, self.bonus[:n].tolist())]
-        drafts = torch.tensor(rows, dtype=torch.long, device=self.drafts.device)  # [n, Bv]
+        chains = [(d or [b] * Bv)[:Bv] for (d, _), b in zip(self._proposals, self.bonus[:n].tolist())]
+        drafts = torch.tensor(chains, dtype=torch.long, device=self.drafts.device)  # [n, Bv]
         self.drafts[:n, :Bv] = drafts
         self.conf[:n, :Bv] = 1.0
         self.ndrafts[:n] = Bv
@@ -666,10 +666,12 @@ class Engine:
             logits = self._timed(stats, "target", lambda: self._target_logits(tokens, pos, view), n, T)
             hb = None
         accepted, new_bonus = self._accept(logits, tokens[:, 1:], rows)  # [n], [n]
-        if mode == "lookup":
+        if mode == "ar":
+            kinds = None
+        elif mode == "lookup":  # counted by n-gram size; rows without a match verified filler: not counted
             kinds = [f"lookup{size}" if size else None for _, size in self._proposals]
         else:
-            kinds = ["parallel" if b else "sequential" for b in self.from_branch[:n].tolist()] if mode != "ar" else None
+            kinds = ["parallel" if b else "sequential" for b in self.from_branch[:n].tolist()]
         self._commit(n, lens, accepted, new_bonus, self.drafts[:n, :Bv], kinds, Bv, out, stats)
         if hb is not None:
             self._take_branches(hb, anchors, accepted, new_bonus, Bv, stats)
