@@ -432,7 +432,7 @@ class Engine:
         model, seconds from the measured costs), unless this step's lookup drafts promise more."""
         cfg, B = self.config, self.B
         if cfg.mode == "lookup":
-            return self._lookup_plan(n, 0.0) or Plan("ar")
+            return Plan("lookup", B) if self._propose(n) else Plan("ar")
         if cfg.mode != "adaptive":
             return Plan(cfg.mode, 0 if cfg.mode == "ar" else B)
         rule = "parallel" if n <= cfg.switch_batch else "sequential"
@@ -454,15 +454,17 @@ class Engine:
     # bias cancels and no margin applies; where verifying tokens is nearly free (a GPU) lookup promises more.
     LOOKUP_MARGIN = 1.5
 
+    def _propose(self, n: int) -> bool:
+        """This step's lookup drafts of rows 0..n-1 (`_proposals`); True when some row has a match."""
+        self._proposals = [req.index.propose(self.B) for req in self.slots[:n]]
+        return any(size for _, size in self._proposals)
+
     def _lookup_plan(self, n: int, rate_to_beat: float) -> Plan | None:
         """A lookup step with 1/2/4/B drafts per row if one promises more than rate_to_beat tokens per second
         (every row's match, its n-gram size's acceptance so far; rows without a match still get one token)."""
-        self._proposals = [req.index.propose(self.B) for req in self.slots[:n]]
-        sizes = [size for _, size in self._proposals if size]
-        if not sizes:
+        if not self._propose(n):
             return None
-        if self.config.mode == "lookup":
-            return Plan("lookup", self.B)
+        sizes = [size for _, size in self._proposals if size]
         best, best_rate = None, rate_to_beat
         count = {size: sizes.count(size) for size in set(sizes)}
         for Bv in sorted({1, 2, 4, self.B} & set(range(1, self.B + 1))):
