@@ -49,6 +49,7 @@ def test_seeded_samples_and_mt_bench_second_turn_after_own_answer(real_lm):
     ({"datasets": ["math"]}, "no available dataset"),
     ({"batch_sizes": [0, 4]}, "batch_sizes must be >= 1"),
     ({"samples": 0}, "samples must be >= 1"),
+    ({"temperature": -0.5}, "temperature must be >= 0"),
 ])
 def test_bad_harness_config_names_the_problem(tmp_path, capsys, overrides, needle):
     import yaml
@@ -94,3 +95,20 @@ def test_harness_run_is_lossless_and_complete(tmp_path, mlflow_uri, real_folder)
     assert run.data.metrics["mismatched_rows.gsm8k.parallel.b2"] == 0
     names = {a.path for a in mlflow.MlflowClient().list_artifacts(run.info.run_id)}
     assert {"results.md", "results.json", "speedup_vs_batch.png", "config.json"} <= names
+
+
+@pytest.mark.real_model
+def test_sampled_harness_run_reports_speed_without_comparing_rows(tmp_path, mlflow_uri, real_folder):
+    """temperature > 0: the engine methods sample (speculative sampling), the transformers methods are skipped
+    with the reason, rows are not compared with AR's (mismatched n/a), and the report says how it sampled."""
+    cfg = HarnessConfig(model=str(real_folder), drafter="init", dtype="float32", threads=1, datasets=["gsm8k"],
+                        samples=2, batch_sizes=[2], max_new_tokens=8, temperature=0.8, top_p=0.95,
+                        methods=["ar", "hf-generate", "lookup", "adaptive"], profile=False,
+                        output_dir=str(tmp_path / "out"))
+    rows = run_harness(cfg, log=lambda s: None)["rows"]
+    assert [r["skipped"] for r in rows if "skipped" in r] == ["the transformers methods run greedy only here"]
+    ran = [r for r in rows if "skipped" not in r]
+    assert {r["method"] for r in ran} == {"ar", "lookup", "adaptive"}
+    assert all(r["mismatched_rows"] is None and r["tokens"] > 0 for r in ran)
+    md = (tmp_path / "out" / "results.md").read_text()
+    assert "sampled (temperature 0.8, top-p 0.95)" in md and "n/a (sampled)" in md

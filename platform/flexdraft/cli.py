@@ -97,9 +97,10 @@ def cmd_bench(args) -> None:
         raise FlexDraftError("give --config FILE or --full, not both")
     path = FULL_BENCH_CONFIG if args.full else args.config
     cfg = load_harness_config(path) if path else HarnessConfig()
-    for key in ("drafter", "device", "dtype", "output_dir"):
+    for key in ("drafter", "device", "dtype", "output_dir", "temperature", "top_p"):
         if getattr(args, key) is not None:
             setattr(cfg, key, getattr(args, key))
+    cfg.params()  # an overridden temperature / top-p checked before any work
     run_harness(cfg)
 
 
@@ -167,6 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--device", help="override the config's device")
     b.add_argument("--dtype", help="override the config's dtype")
     b.add_argument("--output-dir", help="where results.md/json and plots go (default $FLEXDRAFT_HOME/bench/<time>)")
+    b.add_argument("--temperature", type=float, help="sample at this temperature (default: the config's, greedy)")
+    b.add_argument("--top-p", type=float, help="nucleus sampling with --temperature")
     b.set_defaults(func=cmd_bench)
 
     for name, stage, help_ in [("distill", "distill", "self-distillation data (Ray actors)"),

@@ -68,6 +68,10 @@ class HarnessConfig:
     seed: int = 0  # of the prompt sample
     batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 16])
     max_new_tokens: int = 64
+    # > 0: every method samples (speculative sampling in the engine, same seed per request); sampled outputs
+    # differ from AR's draw for draw, so rows are not compared (the engine tests check the distributions)
+    temperature: float = 0.0
+    top_p: float = 1.0
     answer_tokens: int = 128  # multi-turn sets: length of the model's own earlier answers (greedy AR)
     repeats: int = 1
     methods: list[str] = field(default_factory=lambda: list(METHODS))
@@ -90,6 +94,7 @@ class HarnessConfig:
                 raise FlexDraftError(f"{key} must be >= 1, got {getattr(self, key)}")
         if self.tree_nodes < 0:
             raise FlexDraftError(f"tree_nodes must be >= 0 (0 = no trees), got {self.tree_nodes}")
+        self.params()  # temperature and top_p checked as the engine will take them
         if self.all_branches_max_batch < 0:
             raise FlexDraftError(f"all_branches_max_batch must be >= 0 (0 = no limit), got {self.all_branches_max_batch}")
         unknown = [m for m in self.methods if m not in METHODS]
@@ -102,6 +107,11 @@ class HarnessConfig:
             raise FlexDraftError(f"no available dataset among {self.datasets}: use some of {', '.join(BENCH_DATASETS)}")
 
 
+    def params(self, max_new_tokens: int | None = None) -> SamplingParams:
+        return SamplingParams(max_new_tokens=max_new_tokens or self.max_new_tokens, temperature=self.temperature,
+                              top_p=self.top_p, seed=self.seed)
+
+
 def load_harness_config(path: str | Path) -> HarnessConfig:
     return load_yaml(HarnessConfig, path)
 
@@ -109,6 +119,8 @@ def load_harness_config(path: str | Path) -> HarnessConfig:
 # ------------------------------------------------------------------------------------------- one cell
 
 def skip_reason(method: str, batch: int, cfg: HarnessConfig) -> str | None:
+    if METHODS[method].kind != "engine" and cfg.temperature > 0:
+        return "the transformers methods run greedy only here"
     if method == "hf-prompt-lookup" and batch > 1:
         return "transformers prompt lookup runs at batch 1 only"  # "assisted generate is only supported for batch_size = 1"
     if method in ("parallel", "parallel-uncalibrated") and 0 < cfg.all_branches_max_batch < batch:
@@ -194,13 +206,13 @@ class HFRunner:
 def run_cell(engines: dict[str, Engine], hf: HFRunner | None, prompts: list[list[int]], batch: int,
              cfg: HarnessConfig) -> list[dict]:
     """Every method on the same prompts at one batch size -> one result row per method."""
-    params = SamplingParams(max_new_tokens=cfg.max_new_tokens)
+    params = cfg.params()
     hf_methods = {m: METHODS[m].kind for m in cfg.methods if METHODS[m].kind != "engine" and not skip_reason(m, batch, cfg)}
 
     def hf_run(name, max_new):
         return hf.run(prompts, batch, max_new, cfg.prompt_lookup_tokens if hf_methods[name] == "hf-lookup" else 0)
 
-    lockstep(engines, prompts[:batch], SamplingParams(max_new_tokens=8))  # warm-up
+    lockstep(engines, prompts[:batch], cfg.params(8))  # warm-up
     for name in hf_methods:
         hf_run(name, 8)
     runs = []
@@ -221,8 +233,9 @@ def run_cell(engines: dict[str, Engine], hf: HFRunner | None, prompts: list[list
                "seconds": median[name], "tok_s": tok_s[name], "speedup_ar": tok_s[name] / tok_s["ar"],
                "speedup_hf": tok_s[name] / tok_s["hf-generate"] if "hf-generate" in tok_s else None,
                "tau": last["tau"],
-               # rows whose output differs from our AR's in any repeat
-               "mismatched_rows": sum(any(r[name]["outputs"][i] != ref for r in runs) for i, ref in enumerate(reference))}
+               # rows whose output differs from our AR's in any repeat (greedy only)
+               "mismatched_rows": None if cfg.temperature > 0 else
+               sum(any(r[name]["outputs"][i] != ref for r in runs) for i, ref in enumerate(reference))}
         if METHODS[name].kind == "engine":
             steps = sum(last["modes"].values())
             split = {k: v / last["seconds"] for k, v in last["forward"].items()}
@@ -311,7 +324,7 @@ def run_harness(cfg: HarnessConfig, log=print) -> dict:
                     if "skipped" not in row:
                         tag = f"{d}.{row['method']}.b{batch}"
                         mlflow.log_metrics({f"{k}.{tag}": row[k] for k in ("tok_s", "speedup_ar", "tau",
-                                                                           "mismatched_rows")})
+                                                                           "mismatched_rows") if row[k] is not None})
         profile = step_profile(_engine(lm, choice, cfg, "parallel-pruned", 1, max_len), prompts[datasets[0]][0]) \
             if cfg.profile and "parallel-pruned" in cfg.methods else ""
         results = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -351,7 +364,11 @@ def _line(r: dict) -> str:
     extra = f", steps {_modes(r)}" if r["method"] != "ar" and "mode_share" in r else ""
     extra += f", pruned misses {r['pruned_misses']:.0%}" if "parallel" in r.get("mode_share", {}) else ""
     return (f"{r['method']:>22}: {r['tok_s']:7.1f} tok/s, x{r['speedup_ar']:.2f} over AR{hf}, tau {r['tau']:.2f}, "
-            f"mismatched rows {r['mismatched_rows']}/{r['prompts']}{extra}")
+            f"mismatched rows {_mismatched(r)}{extra}")
+
+
+def _mismatched(r: dict) -> str:
+    return "n/a (sampled)" if r["mismatched_rows"] is None else f"{r['mismatched_rows']}/{r['prompts']}"
 
 
 def summary_table(results: dict) -> str:
@@ -363,17 +380,20 @@ def summary_table(results: dict) -> str:
 
 def report(results: dict) -> str:
     cfg, hw = results["config"], results["hardware"]
+    decoding = f"sampled (temperature {cfg['temperature']}, top-p {cfg['top_p']})" if cfg["temperature"] else "greedy"
     lines = [f"# FlexDraft benchmark, {results['date']}", "",
              f"* Machine: {hw.get('gpu') or hw['cpu']} ({hw['cpu_count']} CPUs, {hw['torch_threads']} torch threads), "
              f"{results['device']}, {cfg['dtype']}; model {cfg['model']}; drafter {results['drafter'] or 'none'}; "
              f"commit {results['git_commit']}.",
              f"* Prompts: a seeded sample (seed {cfg['seed']}) of max({cfg['samples']}, batch) per dataset and batch "
-             f"size, chat template, greedy, up to {cfg['max_new_tokens']} new tokens, EOS respected; MT-Bench's "
+             f"size, chat template, {decoding}, up to {cfg['max_new_tokens']} new tokens, EOS respected; MT-Bench's "
              f"second turn follows the model's own first answer (up to {cfg['answer_tokens']} tokens).",
              f"* Timing: model loading excluded, prefill included, one warm-up per cell, median of {cfg['repeats']} "
              f"repeat(s); speed-ups are tokens/s ratios measured in the same run ({results['seconds'] / 60:.1f} min "
              "in all). tau: tokens per target forward after the prefill.",
-             "* Correctness: every output is compared with our AR's, token for token (mismatched rows below)."]
+             "* Correctness: every output is compared with our AR's, token for token (mismatched rows below)."
+             if not cfg["temperature"] else "* Correctness: sampled outputs are not compared with AR's (they differ "
+             "draw for draw); the engine's tests check that speculative sampling keeps the target's distribution."]
     lines.append("* Datasets: " + "; ".join(f"`{d}` ({BENCH_DATASETS[d].title}, package {BENCH_DATASETS[d].source})"
                                            for d in cfg["datasets"] if d in BENCH_DATASETS) + ".")
     lines.append("* Methods: " + "; ".join(f"`{m}` ({METHODS[m].about})" for m in cfg["methods"]) + ".")
@@ -388,7 +408,7 @@ def report(results: dict) -> str:
         acc = " ".join(f"{a:.2f}" for a in (r.get("acceptance") or [])[:4] if a is not None)
         cells.append([r["dataset"], r["batch"], r["method"], f"{r['tok_s']:.1f}", f"{r['speedup_ar']:.2f}x",
                       f"{r['speedup_hf']:.2f}x" if r.get("speedup_hf") else "n/a", f"{r['tau']:.2f}",
-                      f"{r['mismatched_rows']}/{r['prompts']}", acc, _modes(r) if r["method"] != "ar" else "",
+                      _mismatched(r), acc, _modes(r) if r["method"] != "ar" else "",
                       f"{r['pruned_misses']:.0%}" if "parallel" in r.get("mode_share", {}) else ""])
     lines.append(markdown("**Per dataset and batch size** (acceptance: P(draft j accepted | drafts before it accepted), "
                           "j = 1..4; steps: share of engine steps per mode)",
