@@ -5,7 +5,7 @@ import torch
 from conftest import make_tiny_hf
 from flexdraft.config import RuntimeConfig
 from flexdraft.errors import FlexDraftError
-from flexdraft.generate import SamplingParams, draw, filtered_logits, generate, length_groups
+from flexdraft.generate import SamplingParams, draw, filtered_logits, generate, length_groups, top_p_drop
 from flexdraft.models.loading import load_model
 
 GREEDY64 = SamplingParams(max_new_tokens=64)
@@ -73,6 +73,24 @@ def test_top_k_top_p_keep_exactly_the_reference_sets():
     assert kept(SamplingParams(temperature=1.0, top_p=0.1)) == [1]  # the top token always stays
     renorm = filtered_logits(logits, SamplingParams(temperature=1.0, top_p=0.7)).softmax(-1)[0]
     torch.testing.assert_close(renorm[[1, 3]], torch.tensor([0.4, 0.3]) / 0.7)
+
+
+def test_top_p_ranks_only_the_head_where_it_holds_the_mass_and_equals_a_full_sort():
+    """top_p_drop ranks a row's first k tokens when they hold top_p of its mass, else sorts the row: on peaked
+    and flat rows alike (both paths in one batch) it removes exactly the tokens a full sort removes."""
+    g = torch.Generator().manual_seed(0)
+    peaked = torch.randn(6, 5000, generator=g) * 4
+    peaked[:, :3] += 24  # a few likely tokens, as a language model's next-token logits usually have
+    flat = torch.randn(6, 5000, generator=g) * 0.1
+    logits = torch.cat((peaked, flat))
+    for top_p in (0.5, 0.9, 0.99):
+        ranked, order = logits.softmax(-1).sort(dim=-1, descending=True)
+        cut = ranked.cumsum(-1) - ranked >= top_p
+        reference = cut.scatter(-1, order, cut)
+        drop = top_p_drop(logits, top_p, first=64)
+        assert torch.equal(drop, reference)
+        head = (logits.softmax(-1).topk(64).values.sum(-1) >= top_p)
+        assert head[:6].all() and not head[6:].any()  # both paths taken
 
 
 def test_draw_follows_the_weights_and_never_picks_a_zero_weight():

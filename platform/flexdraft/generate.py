@@ -42,13 +42,26 @@ def filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = sorted_logits.softmax(-1)
-        # drop a token when the tokens ranked above it already cover top_p (the first one always stays)
-        drop_sorted = probs.cumsum(-1) - probs >= params.top_p
-        drop = drop_sorted.scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
+        logits = logits.masked_fill(top_p_drop(logits, params.top_p), float("-inf"))
     return logits
+
+
+def top_p_drop(logits: torch.Tensor, top_p: float, first: int = 256) -> torch.Tensor:
+    """[N, V] logits -> [N, V] bool: the tokens top-p removes. A token goes when the tokens ranked above it
+    already cover top_p of the probability (the first always stays). Where a row's `first` most probable tokens
+    hold top_p of its mass (a peaked distribution, the usual case) every token beyond them goes, so only those
+    are ranked; other rows sort the whole vocabulary (1.8 ms per row of 49k on a CPU core)."""
+    def cut(ranked: torch.Tensor) -> torch.Tensor:  # probabilities in descending order -> which go
+        return ranked.cumsum(-1) - ranked >= top_p
+
+    probs = logits.softmax(-1)
+    top, order = probs.topk(min(first, probs.shape[-1]), dim=-1)  # [N, k], descending
+    drop = torch.ones_like(probs, dtype=torch.bool).scatter_(-1, order, cut(top))
+    wide = top.cumsum(-1)[:, -1] < top_p  # [N]: the cut falls beyond the first k
+    if wide.any():
+        ranked, full = probs[wide].sort(dim=-1, descending=True)
+        drop[wide] = cut(ranked).scatter(-1, full, cut(ranked))
+    return drop
 
 
 def draw(weights: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
