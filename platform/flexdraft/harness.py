@@ -106,7 +106,6 @@ class HarnessConfig:
         if not any(d in BENCH_DATASETS for d in self.datasets):
             raise FlexDraftError(f"no available dataset among {self.datasets}: use some of {', '.join(BENCH_DATASETS)}")
 
-
     def params(self, max_new_tokens: int | None = None) -> SamplingParams:
         return SamplingParams(max_new_tokens=max_new_tokens or self.max_new_tokens, temperature=self.temperature,
                               top_p=self.top_p, seed=self.seed)
@@ -380,7 +379,8 @@ def summary_table(results: dict) -> str:
 
 def report(results: dict) -> str:
     cfg, hw = results["config"], results["hardware"]
-    decoding = f"sampled (temperature {cfg['temperature']}, top-p {cfg['top_p']})" if cfg["temperature"] else "greedy"
+    sampled = f"sampled (temperature {cfg['temperature']}, top-p {cfg['top_p']})"
+    decoding = sampled if cfg["temperature"] else "greedy"
     lines = [f"# FlexDraft benchmark, {results['date']}", "",
              f"* Machine: {hw.get('gpu') or hw['cpu']} ({hw['cpu_count']} CPUs, {hw['torch_threads']} torch threads), "
              f"{results['device']}, {cfg['dtype']}; model {cfg['model']}; drafter {results['drafter'] or 'none'}; "
