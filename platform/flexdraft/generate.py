@@ -60,7 +60,8 @@ def top_p_drop(logits: torch.Tensor, top_p: float, first: int = 256) -> torch.Te
     wide = top.cumsum(-1)[:, -1] < top_p  # [N]: the cut falls beyond the first k
     if wide.any():
         ranked, full = probs[wide].sort(dim=-1, descending=True)
-        drop[wide] = cut(ranked).scatter(-1, full, cut(ranked))
+        gone = cut(ranked)
+        drop[wide] = gone.scatter(-1, full, gone)
     return drop
 
 
