@@ -37,6 +37,7 @@ from flexdraft.lookup import PRIOR_ACCEPTED, NgramIndex
 from flexdraft.models.transformer import Linear, Transformer, attend, grouped_bias
 
 MODES = ("ar", "sequential", "tree", "parallel", "lookup", "adaptive")
+NO_DRAFTER = ("ar", "lookup")  # the modes that run without a drafter
 
 
 @dataclass
@@ -58,7 +59,7 @@ class EngineConfig:
     def check(self, drafter: Drafter | None, context: int) -> None:
         if self.mode not in MODES:
             raise FlexDraftError(f"engine mode must be one of {', '.join(MODES)}, got {self.mode!r}")
-        if self.mode not in ("ar", "lookup") and drafter is None:
+        if self.mode not in NO_DRAFTER and drafter is None:
             raise FlexDraftError(f"mode {self.mode} needs a drafter (modes ar and lookup do not)")
         if drafter is not None and not 0 <= self.block_size <= drafter.config.block_size:
             raise FlexDraftError(f"block_size={self.block_size} must be at most the drafter's block size "
@@ -278,10 +279,10 @@ class Engine:
                     module.pack()
         if drafter is not None:
             drafter.pair_with(target)
-        if drafter is not None:
             self.B = config.block_size or drafter.config.block_size
         else:
             self.B = (config.block_size or 8) if config.mode == "lookup" else 0
+        self.block_sizes = sorted({1, 2, 4, self.B} & set(range(1, self.B + 1)))  # drafts per row a plan weighs
         # n-gram size of prompt-lookup drafts (0: none); adaptive weighs them by cost only
         weighed = config.mode == "lookup" or (config.mode == "adaptive" and config.cost_model)
         self.lookup = config.lookup if weighed else 0
@@ -469,7 +470,7 @@ class Engine:
         sizes = [size for _, size in self._proposals if size]
         best, best_rate = None, rate_to_beat
         count = {size: sizes.count(size) for size in set(sizes)}
-        for Bv in sorted({1, 2, 4, self.B} & set(range(1, self.B + 1))):
+        for Bv in self.block_sizes:
             tokens = n + sum(c * self.acceptance.expected_accepted(f"lookup{size}", Bv) for size, c in count.items())
             seconds = self.costs.seconds("target", n, Bv + 1) + self.costs.overhead("lookup")
             if tokens / seconds > best_rate:
@@ -494,7 +495,7 @@ class Engine:
         B = self.B
         acc, costs = self.acceptance, self.costs
         best, best_rate = Plan("ar"), n / (costs.seconds("target", n, 1) + costs.overhead("ar"))
-        for Bv in sorted({1, 2, 4, B} & set(range(1, B + 1))):
+        for Bv in self.block_sizes:
             tokens = n * (1 + acc.expected_accepted("sequential", Bv))
             rate = tokens / (costs.seconds("target", n, Bv + 1) + costs.seconds("draft", n, Bv + 1)
                              + costs.overhead("sequential"))
@@ -506,7 +507,7 @@ class Engine:
                 + costs.overhead("tree"))
             if rate > best_rate:
                 best, best_rate = Plan("tree", B), rate
-        for Bv in (sorted({1, 2, 4, B} & set(range(1, B + 1))) if rule == "parallel" else ()):
+        for Bv in (self.block_sizes if rule == "parallel" else ()):
             p_len = acc.length_distribution("parallel", Bv).sort(descending=True).values
             # rows without drafts get a sequential drafter pass first (bonus-known drafts) and pay for it: after
             # lookup steps, parallel steps priced without it measured 41 tok/s at batch 1 against AR's 46

@@ -22,7 +22,7 @@ import torch
 from flexdraft.bench import hf_generate, load_hf, markdown, timed
 from flexdraft.config import RuntimeConfig, data_dir, load_yaml
 from flexdraft.data import BENCH_DATASETS, UNAVAILABLE_DATASETS, bench_prompts, check_datasets
-from flexdraft.engine import Engine, EngineConfig
+from flexdraft.engine import NO_DRAFTER, Engine, EngineConfig
 from flexdraft.errors import FlexDraftError
 from flexdraft.generate import SamplingParams, generate
 from flexdraft.models.loading import load_model
@@ -131,7 +131,7 @@ def _engine(lm, choice, cfg: HarnessConfig, method: str, batch: int, max_len: in
     overrides = {k: (cfg.top_m if k == "top_m" else v) for k, v in METHODS[method].engine}
     ec = EngineConfig(max_batch=batch, max_len=max_len, switch_batch=cfg.switch_batch, tree_nodes=cfg.tree_nodes,
                       **overrides)
-    engine = Engine(lm.model, choice.drafter if ec.mode not in ("ar", "lookup") else None, ec, lm.eos_token_ids,
+    engine = Engine(lm.model, choice.drafter if ec.mode not in NO_DRAFTER else None, ec, lm.eos_token_ids,
                     choice.prior)
     seed_costs(engine)
     return engine

@@ -13,7 +13,7 @@ import torch
 
 from flexdraft.config import RuntimeConfig, data_dir
 from flexdraft.drafter import Drafter, DrafterConfig, load_drafter, read_drafter_meta, weights_fingerprint
-from flexdraft.engine import CostModel, Engine, EngineConfig
+from flexdraft.engine import NO_DRAFTER, CostModel, Engine, EngineConfig
 from flexdraft.errors import FlexDraftError
 from flexdraft.models.loading import LoadedModel, load_model
 from flexdraft.pipeline import PipelineConfig
@@ -79,13 +79,13 @@ def load_engine(model: str, runtime: RuntimeConfig, drafter_spec: str | None, cf
     """-> (model, engine, a note saying which drafter and mode). Without an explicit mode: adaptive when a
     drafter is available, else AR. The adaptive policy's costs are not seeded here: see `seed_costs`."""
     lm = load_model(model, runtime)
-    choice = resolve_drafter(drafter_spec, lm.model, required=cfg.mode not in ("ar", "lookup") and mode_given)
+    choice = resolve_drafter(drafter_spec, lm.model, required=cfg.mode not in NO_DRAFTER and mode_given)
     if not mode_given:
         cfg.mode = "adaptive" if choice.drafter is not None else "ar"
     if choice.source:
         note = f"[drafter: {choice.source}; mode {cfg.mode}]"
     else:
         note = f"[no drafter (the default {default_drafter_dir()} does not exist): mode ar]"
-    engine = Engine(lm.model, choice.drafter if cfg.mode not in ("ar", "lookup") else None, cfg, lm.eos_token_ids,
+    engine = Engine(lm.model, choice.drafter if cfg.mode not in NO_DRAFTER else None, cfg, lm.eos_token_ids,
                     acceptance_prior=choice.prior)
     return lm, engine, note
