@@ -36,6 +36,7 @@ def test_generate_json_lines_in_input_order(tmp_path, capsys, real_folder, real_
     (["--temperature", "-1"], "temperature must be >= 0, got -1.0"),
     (["--top-p", "1.5"], "top_p must be in (0, 1], got 1.5"),
     (["--dtype", "float8"], "unknown dtype 'float8'"),
+    (["--mode", "lookup", "--store", "/nonexistent/ngrams.safetensors"], "no n-gram store at /nonexistent/ngrams.safetensors"),
 ])
 def test_bad_input_gives_one_line_error(capsys, argv, needle):
     assert main(["generate", "--prompt", "hi", *argv]) == 2

@@ -11,10 +11,10 @@ import torch
 from conftest import make_tiny_hf
 from flexdraft.config import RuntimeConfig
 from flexdraft.drafter import Drafter, DrafterConfig, read_drafter_meta, load_drafter
-from flexdraft.engine import CostModel, Engine, EngineConfig, Plan, parallel_forward
+from flexdraft.engine import CostModel, Engine, EngineConfig, Plan, chain_trie, parallel_forward
 from flexdraft.errors import FlexDraftError
 from flexdraft.generate import SamplingParams, filtered_logits, generate, prefill
-from flexdraft.lookup import NgramIndex
+from flexdraft.lookup import NgramIndex, NgramStore
 from flexdraft.models.loading import load_model
 from flexdraft.training import Sequences, training_step
 
@@ -307,8 +307,13 @@ def test_speculative_sampling_follows_the_target_distribution(tmp_path, top_p):
     prompt = [3, 7, 5, 9]
     exact = exact_distribution(model, prompt, SamplingParams(temperature=1.0, top_p=top_p), 3)
     N = 6000
-    for mode in ("sequential", "parallel", "tree", "lookup"):  # lookup: point-mass drafts, where a 1-gram repeats
-        engine = Engine(model, drafter, EngineConfig(mode=mode, max_batch=64, max_len=24))
+    # a store whose chains differ from the prompt's: lookup steps then verify two chains as one trie
+    g = torch.Generator().manual_seed(1)
+    store = NgramStore.build([torch.randint(3, 12, (400,), generator=g).tolist()], 12, max_n=2, min_n=1, min_count=1,
+                             min_share=0.0)
+    # lookup: point-mass drafts, where a 1-gram repeats; with the store: a trie of point-mass drafts
+    for mode, kw in (("sequential", {}), ("parallel", {}), ("tree", {}), ("lookup", {}), ("lookup", {"store": store})):
+        engine = Engine(model, drafter, EngineConfig(mode=mode, max_batch=64, max_len=24), **kw)
         ids = [engine.add_request(prompt, SamplingParams(max_new_tokens=3, temperature=1.0, top_p=top_p, seed=i))
                for i in range(N)]
         while engine.has_work():
@@ -318,7 +323,7 @@ def test_speculative_sampling_follows_the_target_distribution(tmp_path, top_p):
             seq = tuple(engine.result(i).token_ids)
             counts[seq] = counts.get(seq, 0) + 1
         stat, q = chi_square_ok(counts, exact, N)
-        assert stat < q, (mode, stat, q)
+        assert stat < q, (mode, kw, stat, q)
     # power: the same counts against the distribution at temperature 1.3 (a subtly wrong sampler) fail
     stat, q = chi_square_ok(counts, exact_distribution(model, prompt, SamplingParams(temperature=1.3, top_p=top_p), 3), N)
     assert stat > q
@@ -482,6 +487,72 @@ def test_lookup_proposes_what_followed_the_latest_longest_match():
     for i in range(5, 60):
         grown.extend([tokens[i]])
         assert grown.propose(6) == NgramIndex(tokens[: i + 1], max_n=4).propose(6)
+
+
+def test_ngram_store_proposes_the_confident_continuation_and_round_trips(tmp_path):
+    """The store keeps an n-gram's most frequent next token when it is frequent enough (min_count, min_share),
+    continues greedily from the longest confident suffix, and a saved store loads to the same table; a store
+    for another vocabulary and a file that is no store are refused by name."""
+    corpus = [[1, 2, 3, 4, 5], [1, 2, 3, 4, 5], [7, 2, 3, 9], [8, 8, 3, 4, 6]]
+    store = NgramStore.build(corpus, vocab_size=10, max_n=3, min_n=1, min_count=2, min_share=0.5)
+    assert store.propose([0, 2, 3], 3) == ([4, 5], 2)  # "2 3" -> 4 (2 of 3), "3 4" -> 5 (2 of 3), "4 5": never followed
+    assert store.propose([7, 2, 3], 2) == ([4, 5], 2)  # "7 2 3" -> 9 occurs once (< min_count): the 2-gram decides
+    assert store.propose([6], 3) == ([], 0)
+    strict = NgramStore.build(corpus, vocab_size=10, max_n=3, min_n=1, min_count=2, min_share=0.7)
+    assert strict.propose([0, 2, 3], 3) == ([4, 5], 1)  # "2 3" -> 4 is 2 of 3 (< 70%): "3" -> 4 (3 of 4) decides
+    path = tmp_path / NgramStore.FILE
+    store.save(path)
+    loaded = NgramStore.load(tmp_path, vocab_size=10)
+    assert loaded.table == store.table and (loaded.max_n, loaded.min_n) == (3, 1)
+    with pytest.raises(FlexDraftError, match="vocabulary of 10 tokens; the model has 12"):
+        NgramStore.load(path, vocab_size=12)
+    (tmp_path / "junk.safetensors").write_bytes(b"not a store")
+    with pytest.raises(FlexDraftError, match="not a readable n-gram store"):
+        NgramStore.load(tmp_path / "junk.safetensors", vocab_size=10)
+
+
+def test_chain_trie_merges_shared_prefixes():
+    """Two chains sharing a prefix become one trie (the prefix once, nodes by depth, parents first); a row with
+    fewer nodes is padded with depth-1 nodes holding its fill token."""
+    depth, parent, tokens = chain_trie([[[5, 6, 7], [5, 6, 8, 9]], [[4]]], fill=[0, 3], device="cpu")
+    assert tokens[0].tolist() == [5, 6, 7, 8, 9] and depth[0].tolist() == [1, 2, 3, 3, 4]
+    assert parent[0].tolist() == [0, 1, 2, 2, 4]  # 7 and 8 hang from 6 (verify index 2), 9 from 8
+    assert tokens[1].tolist() == [4, 3, 3, 3, 3] and depth[1].tolist() == [1] * 5 and parent[1].tolist() == [0] * 5
+
+
+@pytest.mark.parametrize("batch", [1, 3, 16])
+def test_lookup_with_an_ngram_store_equals_ar_greedy(tiny, drafters, batch):
+    """Lookup steps that also verify an n-gram store's chain (beside the prompt's, merged into one trie) equal
+    AR greedy at batch 1, 3 and 16 with ragged prompts and rows ending at their own EOS, 4 rows at a time, for
+    lookup and adaptive mode, with a store of the tiny target's own greedy text (these prompts' continuations:
+    right where prompt lookup has nothing, e.g. the first steps) and one of random text (mostly wrong, and apart
+    from the prompt's chain: tries of two chains); the right store takes fewer forwards than prompt lookup alone."""
+    prompts = ragged_prompts(batch, seed=batch + 20)
+    params = SamplingParams(max_new_tokens=28)
+    eos = generate(tiny, prompts[-1:], params)[0].token_ids[9] if batch > 1 else -1  # (one row: no early end)
+    ref = [g.token_ids for g in generate(tiny, prompts, params, eos_token_ids=[eos])]
+    own = [p + r for p, r in zip(prompts, ref)]
+    g = torch.Generator().manual_seed(0)
+    noise = [torch.randint(3, 96, (200,), generator=g).tolist() for _ in range(4)]
+    stores = {"own": NgramStore.build(own, 96, min_count=1), "noise": NgramStore.build(noise, 96, min_n=1, min_count=1, min_share=0.0)}
+    for mode in ("lookup", "adaptive"):
+        forwards = {}
+        for name, store in [("none", None), *stores.items()]:
+            engine = Engine(tiny, drafters["trained"], EngineConfig(mode=mode, max_batch=4, max_len=96),
+                            eos_token_ids=[eos], store=store)
+            tries = 0
+            ids = [engine.add_request(p, params) for p in prompts]
+            while engine.has_work():
+                engine._proposals = []
+                engine.step()
+                tries += engine.last_stats.mode == "lookup" and any(len(c) > 1 for c, _ in engine._proposals)
+            results = [engine.result(i) for i in ids]
+            assert [r.token_ids for r in results] == ref, (mode, name)
+            forwards[name] = sum(r.extra["forwards"] for r in results)  # per row: the rows end at their own times
+            if name == "noise" and mode == "lookup":
+                assert tries
+        if mode == "lookup":
+            assert forwards["own"] < forwards["none"]
 
 
 def test_adaptive_takes_lookup_steps_where_they_pay_and_stays_exact(tiny, drafters):

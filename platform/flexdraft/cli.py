@@ -45,7 +45,8 @@ def cmd_generate(args) -> None:
     cfg = EngineConfig(mode=args.mode or "adaptive", block_size=args.block_size, switch_batch=args.switch_batch,
                        top_m=args.top_m, rho=args.rho, tree_nodes=args.tree_nodes, lookup=args.lookup,
                        max_batch=args.batch_size, max_len=args.max_len)
-    lm, engine, note = load_engine(args.model, _runtime(args), args.drafter, cfg, mode_given=args.mode is not None)
+    lm, engine, note = load_engine(args.model, _runtime(args), args.drafter, cfg, mode_given=args.mode is not None,
+                                   store_spec=args.store)
     tok = lm.tokenizer
     if args.prompt is not None:
         prompts = [chat_ids(tok, [{"role": "user", "content": args.prompt}]) if args.chat
@@ -97,7 +98,7 @@ def cmd_bench(args) -> None:
         raise FlexDraftError("give --config FILE or --full, not both")
     path = FULL_BENCH_CONFIG if args.full else args.config
     cfg = load_harness_config(path) if path else HarnessConfig()
-    for key in ("drafter", "device", "dtype", "output_dir", "temperature", "top_p"):
+    for key in ("drafter", "store", "device", "dtype", "output_dir", "temperature", "top_p"):
         if getattr(args, key) is not None:
             setattr(cfg, key, getattr(args, key))
     cfg.params()  # an overridden temperature / top-p checked before any work
@@ -147,6 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tree (and adaptive): drafts verified per row as a token tree (0 = no trees)")
     g.add_argument("--lookup", type=int, default=4,
                    help="prompt-lookup drafts from n-grams of up to this size (lookup, adaptive; 0 = none)")
+    g.add_argument("--store", help="n-gram store for lookup steps: a store file, a distill folder, or 'none' "
+                                   "(default: the default pipeline's distilled data, when it exists)")
     g.add_argument("--max-len", type=int, default=0, help="cache slots per row (0: min(2048, context))")
     g.add_argument("--json", action="store_true", help="one JSON line per prompt, in input order")
     g.set_defaults(func=cmd_generate)
@@ -165,6 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--config", help="harness YAML (default: the embedded defaults, configs/bench/default.yaml)")
     b.add_argument("--full", action="store_true", help=f"the bigger run of {FULL_BENCH_CONFIG}")
     b.add_argument("--drafter", help="drafter folder or 'init' (default: the config's, else the default pipeline's)")
+    b.add_argument("--store", help="n-gram store: a file, a distill folder or 'none' (default: the config's)")
     b.add_argument("--device", help="override the config's device")
     b.add_argument("--dtype", help="override the config's dtype")
     b.add_argument("--output-dir", help="where results.md/json and plots go (default $FLEXDRAFT_HOME/bench/<time>)")

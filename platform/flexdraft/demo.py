@@ -15,7 +15,7 @@ from flexdraft.tracking import tracking_uri
 # A short run of the harness (about 5 minutes on the 2-core machine); `flexdraft bench` runs every method.
 DEMO_BENCH = dict(batch_sizes=[1, 4, 16], samples=4, max_new_tokens=48, profile=False,
                   methods=["ar", "hf-generate", "hf-prompt-lookup", "lookup", "sequential", "tree", "parallel-pruned",
-                           "adaptive-drafter", "adaptive"])
+                           "adaptive-drafter", "adaptive-no-store", "adaptive"])
 
 
 def run_demo(pipeline: PipelineConfig | None = None, bench: HarnessConfig | None = None) -> dict:

@@ -15,7 +15,8 @@ their full distributions q for sampled rows); `from_branch` says whether a paral
      token tree built from each slot's top candidates instead of the chain d_1..d_Bv; parallel mode carries
      candidate draft blocks (branches) through the same verify forward and keeps the one matching the
      accepted length. A lookup step verifies prompt-lookup drafts instead (the tokens that followed the
-     latest earlier occurrence of the row's last n tokens, `lookup.NgramIndex`) and runs no drafter;
+     latest earlier occurrence of the row's last n tokens, `lookup.NgramIndex`) and, with an n-gram store
+     (`lookup.NgramStore`), the store's chain too, both as one token trie; it runs no drafter;
   3. finished rows leave (the last row moves into the freed one: rows stay contiguous).
 Lossless: every emitted token is the target's argmax (greedy) or drawn by speculative sampling against
 the target's distribution; the drafts only decide how many of them one forward yields.
@@ -33,7 +34,7 @@ import torch
 from flexdraft.drafter import Drafter
 from flexdraft.errors import FlexDraftError
 from flexdraft.generate import Generation, SamplingParams, draw, filtered_logits, make_generator, prefill, sample
-from flexdraft.lookup import PRIOR_ACCEPTED, NgramIndex
+from flexdraft.lookup import PRIOR_ACCEPTED, STORE_PRIOR_ACCEPTED, NgramIndex, NgramStore
 from flexdraft.models.transformer import Linear, Transformer, attend, grouped_bias
 
 MODES = ("ar", "sequential", "tree", "parallel", "lookup", "adaptive")
@@ -123,7 +124,9 @@ class AcceptanceModel:
     Without a validation tau for its size, a tree of N nodes starts from the sequential prior's expected
     accepted drafts times 1 + 0.13 log2(N / 4): what trees of 8 / 16 / 32 nodes added over the chain on the
     default SmolLM2 drafter's validation split (+13% / +25% / +35%, 1,856 blocks). Prompt-lookup drafts count
-    apart by the size n of the n-gram that matched (kind `lookup<n>`), from `lookup.PRIOR_ACCEPTED`."""
+    apart by the size n of the n-gram that matched (kind `lookup<n>`, from `lookup.PRIOR_ACCEPTED`; a store chain
+    verified beside them counts there too), store drafts of rows without a prompt match by the size behind
+    their first draft (kind `store<n>`, from `lookup.STORE_PRIOR_ACCEPTED`)."""
 
     KINDS = ("sequential", "tree", "parallel")
 
@@ -155,8 +158,10 @@ class AcceptanceModel:
         return lo
 
     def _lookup_kind(self, kind: str) -> None:
-        if kind not in self.tried:  # lookup<n>: a rate whose expected accepted of 8 drafts is the prior's
-            rate = self._rate_for(PRIOR_ACCEPTED[min(int(kind[len("lookup"):]), max(PRIOR_ACCEPTED))], 8)
+        if kind not in self.tried:  # lookup<n> / store<n>: a rate whose expected accepted of 8 drafts is the prior's
+            prior = STORE_PRIOR_ACCEPTED if kind.startswith("store") else PRIOR_ACCEPTED
+            size = int(kind.removeprefix("store").removeprefix("lookup"))
+            rate = self._rate_for(prior[min(max(size, min(prior)), max(prior))], 8)
             self.tried[kind] = torch.full((self.block,), self.weight, dtype=torch.float64)
             self.passed[kind] = self.tried[kind] * rate
 
@@ -270,7 +275,7 @@ class Engine:
     thin loop over them. Requests beyond `max_batch` wait and are admitted as rows finish."""
 
     def __init__(self, target: Transformer, drafter: Drafter | None, config: EngineConfig, eos_token_ids=(),
-                 acceptance_prior: dict | None = None):
+                 acceptance_prior: dict | None = None, store: NgramStore | None = None):
         config.check(drafter, target.args.max_position_embeddings)
         self.target, self.drafter, self.config = target, drafter, config
         if drafter is not None and target.lm_head.packed is not None:  # the target runs on prepacked weights
@@ -286,7 +291,8 @@ class Engine:
         # n-gram size of prompt-lookup drafts (0: none); adaptive weighs them by cost only
         weighed = config.mode == "lookup" or (config.mode == "adaptive" and config.cost_model)
         self.lookup = config.lookup if weighed else 0
-        self._proposals: list[tuple[list[int], int]] = []  # this step's lookup drafts per row (drafts, n-gram size)
+        self.store = store if self.lookup else None  # a corpus's drafts beside the request's own (lookup steps)
+        self._proposals: list[tuple[list[list[int]], str | None]] = []  # this step's lookup chains per row, kind
         self.eos = set(eos_token_ids)
         R, dev = config.max_batch, target.device
         self.cache = target.new_cache(R, config.max_len)
@@ -341,7 +347,7 @@ class Engine:
         """Cache slots a request needs: its tokens, the verify block and, when parallel steps may run, the
         branch tokens' scratch past the verify block ((B+1)^2 at most), or a token tree's nodes."""
         branches = (self.B + 1) ** 2 if self.config.mode in ("parallel", "adaptive") else 0
-        tree = self.config.tree_nodes + 1 if self.trees else 0
+        tree = max(self.config.tree_nodes + 1 if self.trees else 0, 2 * self.B + 1 if self.store else 0)
         return prompt_len + max_new_tokens + max(self.B + 1 + branches, tree)
 
     def abort(self, request_id: int) -> None:
@@ -458,29 +464,43 @@ class Engine:
     LOOKUP_MARGIN = 1.5
 
     def _propose(self, n: int) -> bool:
-        """This step's lookup drafts of rows 0..n-1 (`_proposals`); True when some row has a match."""
-        self._proposals = [req.index.propose(self.B) for req in self.slots[:n]]
-        return any(size for _, size in self._proposals)
+        """This step's lookup chains of rows 0..n-1 (`_proposals`: per row its chains, the prompt's first, and the
+        acceptance kind they count towards, None without any); True when some row has one."""
+        self._proposals = []
+        for req in self.slots[:n]:
+            chain, size = req.index.propose(self.B)
+            chains, kind = ([chain], f"lookup{size}") if size else ([], None)
+            if self.store is not None:
+                extra, size = self.store.propose(req.index.tokens, self.B)
+                if extra and extra != chain[:len(extra)]:  # a prefix of the prompt's chain adds nothing
+                    chains.append(extra)
+                    kind = kind or f"store{size}"
+            self._proposals.append((chains, kind))
+        return any(kind for _, kind in self._proposals)
+
+    def _lookup_nodes(self, Bv: int) -> int:
+        """Verify tokens after the bonus of a lookup step with Bv drafts per chain (a chain: Bv; a trie: its nodes)."""
+        return max(Bv, *(len(trie_nodes([c[:Bv] for c in chains])) for chains, _ in self._proposals))
 
     def _lookup_plan(self, n: int, rate_to_beat: float) -> Plan | None:
         """A lookup step with 1/2/4/B drafts per row if one promises more than rate_to_beat tokens per second
         (every row's match, its n-gram size's acceptance so far; rows without a match still get one token)."""
         if not self._propose(n):
             return None
-        sizes = [size for _, size in self._proposals if size]
+        kinds = [kind for _, kind in self._proposals if kind]
         best, best_rate = None, rate_to_beat
-        count = {size: sizes.count(size) for size in set(sizes)}
+        count = {kind: kinds.count(kind) for kind in set(kinds)}
         for Bv in self.block_sizes:
-            tokens = n + sum(c * self.acceptance.expected_accepted(f"lookup{size}", Bv) for size, c in count.items())
-            seconds = self.costs.seconds("target", n, Bv + 1) + self.costs.overhead("lookup")
+            tokens = n + sum(c * self.acceptance.expected_accepted(kind, Bv) for kind, c in count.items())
+            seconds = self.costs.seconds("target", n, self._lookup_nodes(Bv) + 1) + self.costs.overhead("lookup")
             if tokens / seconds > best_rate:
                 best, best_rate = Plan("lookup", Bv), tokens / seconds
         return best
 
     def _set_lookup_drafts(self, n: int, Bv: int) -> None:
-        """Rows 0..n-1 get their lookup drafts (a row without a match: its bonus repeated, verified like any
-        draft); sampled rows' q is the point mass on each draft (accepted with probability p(d_j))."""
-        chains = [(d or [b] * Bv)[:Bv] for (d, _), b in zip(self._proposals, self.bonus[:n].tolist())]
+        """Rows 0..n-1 get their (single) lookup chain (a row without a match: its bonus repeated, verified like
+        any draft); sampled rows' q is the point mass on each draft (accepted with probability p(d_j))."""
+        chains = [((c[0] if c else []) or [b] * Bv)[:Bv] for (c, _), b in zip(self._proposals, self.bonus[:n].tolist())]
         drafts = torch.tensor(chains, dtype=torch.long, device=self.drafts.device)  # [n, Bv]
         self.drafts[:n, :Bv] = drafts
         self.conf[:n, :Bv] = 1.0
@@ -537,7 +557,8 @@ class Engine:
         self.bonus.fill_(0)
         self.drafts.fill_(0)
         blocks = sorted({2, 3, 5, B + 1} & set(range(2, B + 2)))  # the block lengths the policy weighs
-        verify = sorted({1, *blocks, self.config.tree_nodes + 1} if self.trees else {1, *blocks})
+        verify = {1, *blocks} | ({self.config.tree_nodes + 1} if self.trees else set())
+        verify = sorted(verify | ({2 * B + 1} if self.store else set()))  # a lookup trie of two chains
         shapes = [("target", n, T, 0) for n in (1, 2, 4, 8, 16, 32, 64) if n <= R for T in verify]
         shapes += [("draft", n, T, 0) for n in (1, 2, 4, 8, 16, 32, 64) if n <= R for T in blocks]
         S = min(self.config.switch_batch, R)
@@ -660,7 +681,13 @@ class Engine:
         emission, cache rollback by length."""
         mode, Bv = plan.mode, plan.block
         if mode == "tree":
-            return self._verify_tree(n, Bv, out, stats)
+            depth, parent, rank = draft_tree(self.cand_logp[:n, :Bv], self.config.tree_nodes)  # [n, N]
+            nodes = tree_tokens(self.cand[:n, :Bv], depth, rank)
+            return self._verify_tree(n, Bv, depth, parent, nodes, ["tree"] * n, out, stats)
+        if mode == "lookup" and any(len(chains) > 1 for chains, _ in self._proposals):  # verified as a token trie
+            chains = [[c[:Bv] for c in cs] for cs, _ in self._proposals]
+            depth, parent, nodes = chain_trie(chains, self.bonus[:n].tolist(), self.target.device)
+            return self._verify_tree(n, Bv, depth, parent, nodes, [k for _, k in self._proposals], out, stats)
         dev, T = self.target.device, Bv + 1
         rows = torch.arange(n, device=dev)
         tokens = torch.cat((self.bonus[:n, None], self.drafts[:n, :Bv]), dim=1)  # [n, T]
@@ -678,7 +705,7 @@ class Engine:
         if mode == "ar":
             kinds = None
         elif mode == "lookup":  # counted by n-gram size; rows without a match verified filler: not counted
-            kinds = [f"lookup{size}" if size else None for _, size in self._proposals]
+            kinds = [kind for _, kind in self._proposals]
         else:
             kinds = ["parallel" if b else "sequential" for b in self.from_branch[:n].tolist()]
         self._commit(n, lens, accepted, new_bonus, self.drafts[:n, :Bv], kinds, Bv, out, stats)
@@ -706,17 +733,16 @@ class Engine:
                 self.slots[r].accepted.append(acc[r])
             self._emit(r, drafts[r][: acc[r]] + [bonus[r]], out)
 
-    def _verify_tree(self, n: int, Bv: int, out, stats: StepStats) -> None:
-        """Rows 0..n-1: the target verifies a token tree per row (the bonus, then tree_nodes drafts chosen by
-        `draft_tree` among each slot's top candidates) in one forward. Greedy rows accept the deepest node whose
-        path equals the target's own greedy continuation; sampled rows walk the tree by `tree_sample`. Node
-        i + 1's keys/values go to cache slot lens + 1 + i; the accepted path's are then moved to
-        lens + 1 .. lens + a, where a chain's would be."""
+    def _verify_tree(self, n: int, Bv: int, depth, parent, nodes, kinds, out, stats: StepStats) -> None:
+        """Rows 0..n-1: the target verifies a token tree per row (the bonus, then nodes [n, N] at depth [n, N]
+        <= Bv with parent [n, N], sorted by depth: a drafter tree from `draft_tree`, or lookup chains merged by
+        `chain_trie`) in one forward. Greedy rows accept the deepest node whose path equals the target's own
+        greedy continuation; sampled rows walk the tree by `tree_sample`. Node i + 1's keys/values go to cache
+        slot lens + 1 + i; the accepted path's are then moved to lens + 1 .. lens + a, where a chain's would be.
+        kinds: per row, the acceptance statistics the step counts towards."""
         dev = self.target.device
         lens = self.cache.lens[:n].clone()
-        depth, parent, rank = draft_tree(self.cand_logp[:n, :Bv], self.config.tree_nodes)  # [n, N]
         N = depth.shape[1]
-        nodes = tree_tokens(self.cand[:n, :Bv], depth, rank)  # [n, N]
         tokens = torch.cat((self.bonus[:n, None], nodes), dim=1)  # [n, N + 1]
         anc = tree_ancestors(parent)  # [n, N + 1, N + 1]
         pos = lens[:, None] + torch.cat((depth.new_zeros(n, 1), depth), dim=1)
@@ -746,7 +772,7 @@ class Engine:
         rows = torch.arange(n, device=dev)[:, None]
         for kv in (*view.k, *view.v):  # [n, Hkv, S, D]
             kv[rows, :, lens[:, None] + dst] = kv[rows, :, lens[:, None] + src]
-        self._commit(n, lens, accepted, new_bonus, tokens.gather(1, src.clamp(max=N)), ["tree"] * n, Bv, out, stats)
+        self._commit(n, lens, accepted, new_bonus, tokens.gather(1, src.clamp(max=N)), kinds, Bv, out, stats)
 
     def _target_logits(self, tokens, pos, cache) -> torch.Tensor:
         """[n, T] tokens -> [n, T, V] logits (the LM head is timed with the forward: at batch 1 it is ~15%)."""
@@ -893,6 +919,30 @@ def draft_tree(logp: torch.Tensor, N: int) -> tuple[torch.Tensor, torch.Tensor, 
 def tree_tokens(cand: torch.Tensor, depth: torch.Tensor, rank: torch.Tensor) -> torch.Tensor:
     """cand [n, Bv, K] (each slot's top-K drafts), a `draft_tree`'s depth and rank [n, N] -> node tokens [n, N]."""
     return cand.flatten(1).gather(1, (depth - 1) * cand.shape[-1] + rank)
+
+
+def trie_nodes(chains: list[list[int]]) -> list[tuple]:
+    """The nodes of the token trie of some chains: every distinct non-empty prefix, by depth (parents first)."""
+    return sorted({tuple(c[:j]) for c in chains for j in range(1, len(c) + 1)}, key=lambda p: (len(p), p))
+
+
+def chain_trie(chains: list[list[list[int]]], fill: list[int], device) -> tuple[torch.Tensor, torch.Tensor,
+                                                                              torch.Tensor]:
+    """Per row its candidate chains (lookup drafts) merged into one token trie, a shared prefix once -> depth,
+    parent, tokens [n, N] as `draft_tree` and `tree_tokens` give them (nodes sorted by depth; parent 0 = the
+    bonus). Rows with fewer nodes than the largest are padded with depth-1 nodes holding their `fill` token:
+    like any node they are verified, so an accepted one is the target's own token."""
+    rows = []
+    for row_chains in chains:
+        index: dict[tuple, int] = {}  # prefix -> its node's verify index
+        nodes = []  # (depth, parent, token)
+        for prefix in trie_nodes(row_chains):
+            index[prefix] = len(nodes) + 1
+            nodes.append((len(prefix), index.get(prefix[:-1], 0), prefix[-1]))
+        rows.append(nodes)
+    N = max(1, *map(len, rows))
+    table = torch.tensor([r + [(1, 0, f)] * (N - len(r)) for r, f in zip(rows, fill)], dtype=torch.long, device=device)
+    return table[..., 0], table[..., 1], table[..., 2]
 
 
 def tree_sample(p: torch.Tensor, tokens: torch.Tensor, parent: torch.Tensor, generator) -> tuple[int, int]:

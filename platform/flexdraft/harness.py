@@ -26,7 +26,7 @@ from flexdraft.engine import NO_DRAFTER, Engine, EngineConfig
 from flexdraft.errors import FlexDraftError
 from flexdraft.generate import SamplingParams, generate
 from flexdraft.models.loading import load_model
-from flexdraft.runner import resolve_drafter, seed_costs
+from flexdraft.runner import resolve_drafter, resolve_store, seed_costs
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,7 @@ class Method:
     kind: str  # engine | hf | hf-lookup
     engine: tuple = ()  # EngineConfig overrides, (key, value) pairs
     about: str = ""
+    store: bool = True  # lookup steps also draft from the n-gram store (when there is one)
 
 
 METHODS = {
@@ -47,11 +48,16 @@ METHODS = {
     "parallel": Method("engine", (("mode", "parallel"),), "ablation: + calibration (all branches)"),
     "parallel-pruned": Method("engine", (("mode", "parallel"), ("top_m", None)),
                               "ablation: + selective verification (top_m branches)"),
-    "lookup": Method("engine", (("mode", "lookup"),), "our prompt lookup alone: n-gram drafts, no drafter"),
+    "lookup-prompt": Method("engine", (("mode", "lookup"),), "our prompt lookup alone: n-gram drafts, no drafter",
+                            store=False),
+    "lookup": Method("engine", (("mode", "lookup"),),
+                     "prompt lookup + the n-gram store's chain, one trie per step: no drafter"),
     "adaptive-drafter": Method("engine", (("mode", "adaptive"), ("lookup", 0)),
                                "adaptive without lookup drafts: the drafter's modes only"),
+    "adaptive-no-store": Method("engine", (("mode", "adaptive"),), "adaptive with prompt lookup only, no n-gram store",
+                                store=False),
     "adaptive": Method("engine", (("mode", "adaptive"),),
-                       "the product: AR / sequential / tree / parallel / lookup per step by cost"),
+                       "the product: AR / sequential / tree / parallel / lookup (prompt + store) per step by cost"),
 }
 SPECULATIVE = [m for m, spec in METHODS.items() if spec.kind == "engine" and m != "ar"]
 
@@ -60,6 +66,7 @@ SPECULATIVE = [m for m, spec in METHODS.items() if spec.kind == "engine" and m !
 class HarnessConfig:
     model: str = "smollm2"
     drafter: str = ""  # "" = the default pipeline's drafter; a folder; or "init"
+    store: str = ""  # n-gram store of lookup steps: "" = the default pipeline's (if distilled), a file or folder, "none"
     device: str = "auto"
     dtype: str = "bfloat16"
     threads: int = 0  # 0 = one per core
@@ -127,18 +134,18 @@ def skip_reason(method: str, batch: int, cfg: HarnessConfig) -> str | None:
     return None
 
 
-def _engine(lm, choice, cfg: HarnessConfig, method: str, batch: int, max_len: int) -> Engine:
+def _engine(lm, choice, store, cfg: HarnessConfig, method: str, batch: int, max_len: int) -> Engine:
     overrides = {k: (cfg.top_m if k == "top_m" else v) for k, v in METHODS[method].engine}
     ec = EngineConfig(max_batch=batch, max_len=max_len, switch_batch=cfg.switch_batch, tree_nodes=cfg.tree_nodes,
                       **overrides)
     engine = Engine(lm.model, choice.drafter if ec.mode not in NO_DRAFTER else None, ec, lm.eos_token_ids,
-                    choice.prior)
+                    choice.prior, store if METHODS[method].store else None)
     seed_costs(engine)
     return engine
 
 
-def _engines(lm, choice, cfg: HarnessConfig, batch: int, max_len: int) -> dict[str, Engine]:
-    return {name: _engine(lm, choice, cfg, name, batch, max_len) for name in cfg.methods
+def _engines(lm, choice, store, cfg: HarnessConfig, batch: int, max_len: int) -> dict[str, Engine]:
+    return {name: _engine(lm, choice, store, cfg, name, batch, max_len) for name in cfg.methods
             if METHODS[name].kind == "engine" and not skip_reason(name, batch, cfg)}
 
 
@@ -283,6 +290,7 @@ def run_harness(cfg: HarnessConfig, log=print) -> dict:
     runtime = RuntimeConfig(device=cfg.device, dtype=cfg.dtype, threads=cfg.threads)
     lm = load_model(cfg.model, runtime)
     choice = resolve_drafter(cfg.drafter or None, lm.model, required=any(m in SPECULATIVE for m in cfg.methods))
+    store, store_source = resolve_store(cfg.store or None, cfg.model, lm.model.args.vocab_size)
     hf = None
     if any(METHODS[m].kind != "engine" for m in cfg.methods):
         pad = lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else 0
@@ -292,7 +300,7 @@ def run_harness(cfg: HarnessConfig, log=print) -> dict:
     for d, why in unavailable.items():
         log(f"[bench] {d}: unavailable ({why}); not run, nothing substituted")
     log(f"[bench] {cfg.model} {cfg.dtype} on {lm.model.device}, {torch.get_num_threads()} thread(s); drafter "
-        f"{choice.source or 'none'}; {len(datasets)} dataset(s) x batch {cfg.batch_sizes} x {len(cfg.methods)} methods")
+        f"{choice.source or 'none'}; n-gram store {store_source or 'none'}; {len(datasets)} dataset(s) x batch {cfg.batch_sizes} x {len(cfg.methods)} methods")
 
     n = max(cfg.samples, max(cfg.batch_sizes))
     answer = lambda ps: [g.token_ids for g in generate(  # noqa: E731  (multi-turn sets: the model's own answers)
@@ -301,7 +309,7 @@ def run_harness(cfg: HarnessConfig, log=print) -> dict:
     for d in datasets:
         prompts[d] = [p.ids for p in bench_prompts(d, lm.tokenizer, n, cfg.seed, answer)]
         log(f"[bench] {d}: {len(prompts[d])} prompts, {min(map(len, prompts[d]))}-{max(map(len, prompts[d]))} tokens")
-    B = choice.drafter.config.block_size if choice.drafter is not None else 0
+    B = choice.drafter.config.block_size if choice.drafter is not None else 8  # (lookup alone: 8 drafts)
     max_len = min(lm.model.args.max_position_embeddings,  # (the step profile decodes up to 64 tokens)
                   max(len(p) for ps in prompts.values() for p in ps) + max(cfg.max_new_tokens, 64) + (B + 1) + (B + 1) ** 2)
 
@@ -311,7 +319,7 @@ def run_harness(cfg: HarnessConfig, log=print) -> dict:
     rows, cells = [], len(cfg.batch_sizes) * len(datasets)
     with start_run(cfg.mlflow_experiment, {**asdict(cfg), "drafter_source": choice.source}) as run:
         for bi, batch in enumerate(cfg.batch_sizes):
-            engines = _engines(lm, choice, cfg, batch, max_len)
+            engines = _engines(lm, choice, store, cfg, batch, max_len)
             for di, d in enumerate(datasets):
                 cell = prompts[d][:max(cfg.samples, batch)]
                 log(f"[bench {bi * len(datasets) + di + 1}/{cells}] {d}, batch {batch}, {len(cell)} prompts, "
@@ -324,11 +332,12 @@ def run_harness(cfg: HarnessConfig, log=print) -> dict:
                         tag = f"{d}.{row['method']}.b{batch}"
                         mlflow.log_metrics({f"{k}.{tag}": row[k] for k in ("tok_s", "speedup_ar", "tau",
                                                                            "mismatched_rows") if row[k] is not None})
-        profile = step_profile(_engine(lm, choice, cfg, "parallel-pruned", 1, max_len), prompts[datasets[0]][0]) \
+        profile = step_profile(_engine(lm, choice, None, cfg, "parallel-pruned", 1, max_len), prompts[datasets[0]][0]) \
             if cfg.profile and "parallel-pruned" in cfg.methods else ""
         results = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                    "git_commit": git_commit(), "hardware": hardware(), "config": asdict(cfg),
                    "device": str(lm.model.device), "drafter": choice.source, "drafter_eval": choice.prior,
+                   "store": store_source,
                    "unavailable": unavailable, "seconds": time.perf_counter() - t_start, "output_dir": str(out),
                    "summary": summary(rows), "rows": rows}
         (out / "results.json").write_text(json.dumps(results, indent=1))
@@ -384,7 +393,7 @@ def report(results: dict) -> str:
     lines = [f"# FlexDraft benchmark, {results['date']}", "",
              f"* Machine: {hw.get('gpu') or hw['cpu']} ({hw['cpu_count']} CPUs, {hw['torch_threads']} torch threads), "
              f"{results['device']}, {cfg['dtype']}; model {cfg['model']}; drafter {results['drafter'] or 'none'}; "
-             f"commit {results['git_commit']}.",
+             f"n-gram store {results.get('store') or 'none'}; commit {results['git_commit']}.",
              f"* Prompts: a seeded sample (seed {cfg['seed']}) of max({cfg['samples']}, batch) per dataset and batch "
              f"size, chat template, {decoding}, up to {cfg['max_new_tokens']} new tokens, EOS respected; MT-Bench's "
              f"second turn follows the model's own first answer (up to {cfg['answer_tokens']} tokens).",

@@ -44,7 +44,7 @@ def run_distill(cfg: PipelineConfig) -> Path:
     """Answer the selected prompts with the target, one shard per actor call; finished shards are skipped."""
     import ray
 
-    from flexdraft.distill import select_prompts, shards, write_manifest
+    from flexdraft.distill import select_prompts, shards, store_path, write_manifest
     from flexdraft.models.loading import load_tokenizer, resolve_source
 
     out = cfg.distill_dir()
@@ -86,7 +86,8 @@ def run_distill(cfg: PipelineConfig) -> Path:
         for a in actors:
             ray.kill(a)
     manifest = write_manifest(out, cfg)
-    log("distill", f"done: train {manifest['train']}, validation {manifest['validation']}")
+    store = store_path(out, _model_args(cfg).vocab_size)
+    log("distill", f"done: train {manifest['train']}, validation {manifest['validation']}; n-gram store {store}")
     return out
 
 

@@ -15,11 +15,12 @@ from flexdraft.config import RuntimeConfig, data_dir
 from flexdraft.drafter import Drafter, DrafterConfig, load_drafter, read_drafter_meta, weights_fingerprint
 from flexdraft.engine import NO_DRAFTER, CostModel, Engine, EngineConfig
 from flexdraft.errors import FlexDraftError
+from flexdraft.lookup import NgramStore
 from flexdraft.models.loading import LoadedModel, load_model
 from flexdraft.pipeline import PipelineConfig
 
 
-PROFILE_FORMAT = 9  # bump when Engine.profile measures other shapes or passes: cached profiles are then redone
+PROFILE_FORMAT = 10  # bump when Engine.profile measures other shapes or passes: cached profiles are then redone
 
 
 def default_drafter_dir() -> Path:
@@ -49,11 +50,32 @@ def resolve_drafter(spec: str | None, target, required: bool) -> DrafterChoice:
     return DrafterChoice(drafter, str(folder), read_drafter_meta(folder).get("eval"))
 
 
-def profile_file(target, drafter: Drafter, cfg: EngineConfig) -> Path:
+def resolve_store(spec: str | None, model: str, vocab_size: int) -> tuple[NgramStore | None, str]:
+    """The n-gram store lookup steps draft from -> (store, where it came from). spec: a store file, a distill
+    folder (its store, built on first use), "none", or None = the default pipeline's distilled data when it
+    exists and `model` is the default pipeline's model."""
+    from flexdraft.distill import store_path
+
+    if spec == "none":
+        return None, ""
+    if spec:
+        path = Path(spec).expanduser()
+        if path.is_dir() and any(path.glob("train-*.parquet")):
+            path = store_path(path, vocab_size)
+        return NgramStore.load(path, vocab_size), str(path)
+    default = PipelineConfig()
+    folder = default.distill_dir()
+    if model != default.model or not any(folder.glob("train-*.parquet")):
+        return None, ""
+    path = store_path(folder, vocab_size)
+    return NgramStore.load(path, vocab_size), str(path)
+
+
+def profile_file(target, drafter: Drafter, cfg: EngineConfig, store: bool = False) -> Path:
     """The cached cost profile of this model, drafter shape, device, dtype, threads and batch size."""
     key = json.dumps([PROFILE_FORMAT, weights_fingerprint(target), asdict(drafter.config), str(target.device),
                       str(target.dtype), torch.get_num_threads(), cfg.max_batch, cfg.switch_batch, cfg.block_size,
-                      cfg.tree_nodes], sort_keys=True)
+                      cfg.tree_nodes, store], sort_keys=True)
     return data_dir() / "profiles" / (hashlib.sha256(key.encode()).hexdigest()[:12] + ".json")
 
 
@@ -61,7 +83,7 @@ def seed_costs(engine: Engine, log=lambda s: print(s, file=sys.stderr)) -> None:
     """Adaptive engines: load the cached cost profile, or measure it (a few seconds) and cache it."""
     if engine.config.mode != "adaptive" or not engine.config.cost_model:
         return
-    path = profile_file(engine.target, engine.drafter, engine.config)
+    path = profile_file(engine.target, engine.drafter, engine.config, engine.store is not None)
     if path.is_file():
         points = json.loads(path.read_text())
         engine.costs.set_profile({k: {tuple(map(int, key.split("x"))): t for key, t in points[k].items()}
@@ -75,9 +97,10 @@ def seed_costs(engine: Engine, log=lambda s: print(s, file=sys.stderr)) -> None:
 
 
 def load_engine(model: str, runtime: RuntimeConfig, drafter_spec: str | None, cfg: EngineConfig,
-                mode_given: bool = True) -> tuple[LoadedModel, Engine, str]:
-    """-> (model, engine, a note saying which drafter and mode). Without an explicit mode: adaptive when a
-    drafter is available, else AR. The adaptive policy's costs are not seeded here: see `seed_costs`."""
+                mode_given: bool = True, store_spec: str | None = None) -> tuple[LoadedModel, Engine, str]:
+    """-> (model, engine, a note saying which drafter, n-gram store and mode). Without an explicit mode:
+    adaptive when a drafter is available, else AR. The adaptive policy's costs are not seeded here: see
+    `seed_costs`."""
     lm = load_model(model, runtime)
     choice = resolve_drafter(drafter_spec, lm.model, required=cfg.mode not in NO_DRAFTER and mode_given)
     if not mode_given:
@@ -86,6 +109,9 @@ def load_engine(model: str, runtime: RuntimeConfig, drafter_spec: str | None, cf
         note = f"[drafter: {choice.source}; mode {cfg.mode}]"
     else:
         note = f"[no drafter (the default {default_drafter_dir()} does not exist): mode ar]"
+    store, source = resolve_store(store_spec, model, lm.model.args.vocab_size) if cfg.lookup else (None, "")
+    if source and cfg.mode in ("lookup", "adaptive"):
+        note = note[:-1] + f"; n-gram store {source}]"
     engine = Engine(lm.model, choice.drafter if cfg.mode not in NO_DRAFTER else None, cfg, lm.eos_token_ids,
-                    acceptance_prior=choice.prior)
+                    acceptance_prior=choice.prior, store=store)
     return lm, engine, note
