@@ -526,7 +526,8 @@ def test_lookup_with_an_ngram_store_equals_ar_greedy(tiny, drafters, batch):
     AR greedy at batch 1, 3 and 16 with ragged prompts and rows ending at their own EOS, 4 rows at a time, for
     lookup and adaptive mode, with a store of the tiny target's own greedy text (these prompts' continuations:
     right where prompt lookup has nothing, e.g. the first steps) and one of random text (mostly wrong, and apart
-    from the prompt's chain: tries of two chains); the right store takes fewer forwards than prompt lookup alone."""
+    from the prompt's chain: tries of two chains) and one whose chains end before B drafts; the right store takes
+    fewer forwards than prompt lookup alone."""
     prompts = ragged_prompts(batch, seed=batch + 20)
     params = SamplingParams(max_new_tokens=28)
     eos = generate(tiny, prompts[-1:], params)[0].token_ids[9] if batch > 1 else -1  # (one row: no early end)
@@ -534,7 +535,9 @@ def test_lookup_with_an_ngram_store_equals_ar_greedy(tiny, drafters, batch):
     own = [p + r for p, r in zip(prompts, ref)]
     g = torch.Generator().manual_seed(0)
     noise = [torch.randint(3, 96, (200,), generator=g).tolist() for _ in range(4)]
-    stores = {"own": NgramStore.build(own, 96, min_count=1), "noise": NgramStore.build(noise, 96, min_n=1, min_count=1, min_share=0.0)}
+    stores = {"own": NgramStore.build(own, 96, min_count=1),
+              "noise": NgramStore.build(noise, 96, min_n=1, min_count=1, min_share=0.0),
+              "short": NgramStore.build([p + r[:2] for p, r in zip(prompts, ref)], 96, min_count=1)}  # chains < B
     for mode in ("lookup", "adaptive"):
         forwards = {}
         for name, store in [("none", None), *stores.items()]:

@@ -498,9 +498,10 @@ class Engine:
         return best
 
     def _set_lookup_drafts(self, n: int, Bv: int) -> None:
-        """Rows 0..n-1 get their (single) lookup chain (a row without a match: its bonus repeated, verified like
-        any draft); sampled rows' q is the point mass on each draft (accepted with probability p(d_j))."""
-        chains = [((c[0] if c else []) or [b] * Bv)[:Bv] for (c, _), b in zip(self._proposals, self.bonus[:n].tolist())]
+        """Rows 0..n-1 get their (single) lookup chain, filled up to Bv with the row's bonus (a store chain can
+        end early; a row without a match gets filler only), verified like any draft; sampled rows' q is the point
+        mass on each draft (accepted with probability p(d_j))."""
+        chains = [((c[0] if c else []) + [b] * Bv)[:Bv] for (c, _), b in zip(self._proposals, self.bonus[:n].tolist())]
         drafts = torch.tensor(chains, dtype=torch.long, device=self.drafts.device)  # [n, Bv]
         self.drafts[:n, :Bv] = drafts
         self.conf[:n, :Bv] = 1.0
