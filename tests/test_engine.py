@@ -11,7 +11,7 @@ import torch
 from conftest import make_tiny_hf
 from flexdraft.config import RuntimeConfig
 from flexdraft.drafter import Drafter, DrafterConfig, read_drafter_meta, load_drafter
-from flexdraft.engine import CostModel, Engine, EngineConfig, Plan, chain_trie, parallel_forward
+from flexdraft.engine import CostModel, Engine, EngineConfig, Plan, chain_trie, parallel_forward, trie_nodes
 from flexdraft.errors import FlexDraftError
 from flexdraft.generate import SamplingParams, filtered_logits, generate, prefill
 from flexdraft.lookup import NgramIndex, NgramStore
@@ -556,6 +556,41 @@ def test_lookup_with_an_ngram_store_equals_ar_greedy(tiny, drafters, batch):
                 assert tries
         if mode == "lookup":
             assert forwards["own"] < forwards["none"]
+
+
+def test_adaptive_verifies_store_chains_only_where_they_pay(tiny, drafters):
+    """With a store, adaptive weighs each lookup step as a trie (prompt + store chains) and as the prompt's chains
+    alone: where a forward's cost is flat in its tokens it verifies tries of more than B nodes, where every token
+    past a chain's B + 1 is dear it verifies full chains of B drafts and nothing larger (weighing tries alone it
+    would only have small tries of shorter chains); the output equals AR greedy either way."""
+    prompts = ragged_prompts(3, seed=3)
+    params = SamplingParams(max_new_tokens=28)
+    ref = [g.token_ids for g in generate(tiny, prompts, params)]
+    g = torch.Generator().manual_seed(0)
+    store = NgramStore.build([torch.randint(3, 96, (800,), generator=g).tolist()], 96, min_n=1, min_count=1,
+                             min_share=0.0)
+
+    def lookup_nodes(dear: float) -> list[tuple[int, int]]:
+        """Per lookup step: drafts per chain, the most verify tokens after the bonus of any row."""
+        e = Engine(tiny, drafters["trained"], EngineConfig(mode="adaptive", max_batch=3, max_len=96), store=store)
+        for rows, tokens in itertools.product((1, 2, 3), (1, 2, 3, 5, 6, 9, 18, 45)):
+            e.costs.record("target", rows, tokens, 0.01 + dear * (tokens > e.B + 1))
+            e.costs.record("parallel", rows, tokens, 0.05)
+            e.costs.record("draft", rows, tokens, 0.05)
+        ids = [e.add_request(p, params) for p in prompts]
+        nodes = []
+        while e.has_work():
+            e.step()
+            if e.last_stats.mode == "lookup":
+                Bv = e.last_stats.block
+                nodes.append((Bv, max(len(trie_nodes([c[:Bv] for c in cs])) for cs, _ in e._proposals)))
+        assert [e.result(i).token_ids for i in ids] == ref
+        return nodes
+
+    B = drafters["trained"].config.block_size
+    flat, dear = lookup_nodes(0.0), lookup_nodes(1.0)
+    assert max(n for _, n in flat) > B
+    assert max(n for _, n in dear) <= B and (B, B) in dear
 
 
 def test_adaptive_takes_lookup_steps_where_they_pay_and_stays_exact(tiny, drafters):

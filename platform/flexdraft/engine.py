@@ -478,23 +478,29 @@ class Engine:
             self._proposals.append((chains, kind))
         return any(kind for _, kind in self._proposals)
 
-    def _lookup_nodes(self, Bv: int) -> int:
-        """Verify tokens after the bonus of a lookup step with Bv drafts per chain (a chain: Bv; a trie: its nodes)."""
-        return max(Bv, *(len(trie_nodes([c[:Bv] for c in chains])) for chains, _ in self._proposals))
-
     def _lookup_plan(self, n: int, rate_to_beat: float) -> Plan | None:
         """A lookup step with 1/2/4/B drafts per row if one promises more than rate_to_beat tokens per second
-        (every row's match, its n-gram size's acceptance so far; rows without a match still get one token)."""
+        (every row's match, its n-gram size's acceptance so far; rows without a match still get one token).
+        With a store it also weighs the prompt's chains alone: a trie of two chains verifies up to twice the
+        tokens, which at 4-16 rows costs more than the store's chains add (and `_proposals` becomes what won)."""
         if not self._propose(n):
             return None
-        kinds = [kind for _, kind in self._proposals if kind]
-        best, best_rate = None, rate_to_beat
-        count = {kind: kinds.count(kind) for kind in set(kinds)}
-        for Bv in self.block_sizes:
-            tokens = n + sum(c * self.acceptance.expected_accepted(kind, Bv) for kind, c in count.items())
-            seconds = self.costs.seconds("target", n, self._lookup_nodes(Bv) + 1) + self.costs.overhead("lookup")
-            if tokens / seconds > best_rate:
-                best, best_rate = Plan("lookup", Bv), tokens / seconds
+        options = [self._proposals]
+        if self.store is not None:
+            options.append([(cs[:1], kind) if kind and kind.startswith("lookup") else ([], None)
+                            for cs, kind in self._proposals])
+        best, best_rate, chosen = None, rate_to_beat, None
+        for proposals in options:
+            kinds = [kind for _, kind in proposals if kind]
+            count = {kind: kinds.count(kind) for kind in set(kinds)}
+            for Bv in self.block_sizes:
+                tokens = n + sum(c * self.acceptance.expected_accepted(kind, Bv) for kind, c in count.items())
+                # verify tokens after the bonus: Bv for chains, a trie's nodes
+                nodes = max(Bv, *(len(trie_nodes([c[:Bv] for c in chains])) for chains, _ in proposals))
+                seconds = self.costs.seconds("target", n, nodes + 1) + self.costs.overhead("lookup")
+                if tokens / seconds > best_rate:
+                    best, best_rate, chosen = Plan("lookup", Bv), tokens / seconds, proposals
+        self._proposals = chosen or self._proposals
         return best
 
     def _set_lookup_drafts(self, n: int, Bv: int) -> None:
