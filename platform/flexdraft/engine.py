@@ -564,8 +564,9 @@ class Engine:
         self.bonus.fill_(0)
         self.drafts.fill_(0)
         blocks = sorted({2, 3, 5, B + 1} & set(range(2, B + 2)))  # the block lengths the policy weighs
-        verify = {1, *blocks} | ({self.config.tree_nodes + 1} if self.trees else set())
-        verify = sorted(verify | ({2 * B + 1} if self.store else set()))  # a lookup trie of two chains
+        # + a lookup trie of two chains, measured with or without a store: engines that differ only in their store
+        # share one cached profile (two profiles measured apart priced parallel steps apart by their noise)
+        verify = sorted({1, *blocks, 2 * B + 1} | ({self.config.tree_nodes + 1} if self.trees else set()))
         shapes = [("target", n, T, 0) for n in (1, 2, 4, 8, 16, 32, 64) if n <= R for T in verify]
         shapes += [("draft", n, T, 0) for n in (1, 2, 4, 8, 16, 32, 64) if n <= R for T in blocks]
         S = min(self.config.switch_batch, R)

@@ -20,7 +20,7 @@ from flexdraft.models.loading import LoadedModel, load_model
 from flexdraft.pipeline import PipelineConfig
 
 
-PROFILE_FORMAT = 10  # bump when Engine.profile measures other shapes or passes: cached profiles are then redone
+PROFILE_FORMAT = 11  # bump when Engine.profile measures other shapes or passes: cached profiles are then redone
 
 
 def default_drafter_dir() -> Path:
@@ -71,11 +71,11 @@ def resolve_store(spec: str | None, model: str, vocab_size: int) -> tuple[NgramS
     return NgramStore.load(path, vocab_size), str(path)
 
 
-def profile_file(target, drafter: Drafter, cfg: EngineConfig, store: bool = False) -> Path:
+def profile_file(target, drafter: Drafter, cfg: EngineConfig) -> Path:
     """The cached cost profile of this model, drafter shape, device, dtype, threads and batch size."""
     key = json.dumps([PROFILE_FORMAT, weights_fingerprint(target), asdict(drafter.config), str(target.device),
                       str(target.dtype), torch.get_num_threads(), cfg.max_batch, cfg.switch_batch, cfg.block_size,
-                      cfg.tree_nodes, store], sort_keys=True)
+                      cfg.tree_nodes], sort_keys=True)
     return data_dir() / "profiles" / (hashlib.sha256(key.encode()).hexdigest()[:12] + ".json")
 
 
@@ -83,7 +83,7 @@ def seed_costs(engine: Engine, log=lambda s: print(s, file=sys.stderr)) -> None:
     """Adaptive engines: load the cached cost profile, or measure it (a few seconds) and cache it."""
     if engine.config.mode != "adaptive" or not engine.config.cost_model:
         return
-    path = profile_file(engine.target, engine.drafter, engine.config, engine.store is not None)
+    path = profile_file(engine.target, engine.drafter, engine.config)
     if path.is_file():
         points = json.loads(path.read_text())
         engine.costs.set_profile({k: {tuple(map(int, key.split("x"))): t for key, t in points[k].items()}
