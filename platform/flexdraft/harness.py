@@ -300,7 +300,8 @@ def run_harness(cfg: HarnessConfig, log=print) -> dict:
     for d, why in unavailable.items():
         log(f"[bench] {d}: unavailable ({why}); not run, nothing substituted")
     log(f"[bench] {cfg.model} {cfg.dtype} on {lm.model.device}, {torch.get_num_threads()} thread(s); drafter "
-        f"{choice.source or 'none'}; n-gram store {store_source or 'none'}; {len(datasets)} dataset(s) x batch {cfg.batch_sizes} x {len(cfg.methods)} methods")
+        f"{choice.source or 'none'}; n-gram store {store_source or 'none'}; {len(datasets)} dataset(s) x batch "
+        f"{cfg.batch_sizes} x {len(cfg.methods)} methods")
 
     n = max(cfg.samples, max(cfg.batch_sizes))
     answer = lambda ps: [g.token_ids for g in generate(  # noqa: E731  (multi-turn sets: the model's own answers)
