@@ -397,9 +397,7 @@ class Engine:
         if n:
             plan = self._choose(n)
             stats.mode, stats.rows, stats.block = plan.mode, n, plan.block
-            if plan.mode == "lookup":
-                self._set_lookup_drafts(n, plan.block)
-            elif plan.mode != "ar":
+            if plan.mode not in NO_DRAFTER:  # (lookup drafts: set by _verify, as a chain or a trie)
                 need = (self.ndrafts[:n] < plan.block).nonzero().squeeze(-1)
                 if need.numel():
                     stats.drafted_rows = need.numel()
@@ -696,6 +694,8 @@ class Engine:
             chains = [[c[:Bv] for c in cs] for cs, _ in self._proposals]
             depth, parent, nodes = chain_trie(chains, self.bonus[:n].tolist(), self.target.device)
             return self._verify_tree(n, Bv, depth, parent, nodes, [k for _, k in self._proposals], out, stats)
+        if mode == "lookup":
+            self._set_lookup_drafts(n, Bv)
         dev, T = self.target.device, Bv + 1
         rows = torch.arange(n, device=dev)
         tokens = torch.cat((self.bonus[:n, None], self.drafts[:n, :Bv]), dim=1)  # [n, T]
