@@ -5,7 +5,8 @@ import torch
 from conftest import make_tiny_hf
 from flexdraft.config import RuntimeConfig
 from flexdraft.errors import FlexDraftError
-from flexdraft.generate import SamplingParams, draw, filtered_logits, generate, length_groups, top_p_drop
+from flexdraft.generate import (SamplingParams, argmax_tokens, draw, filtered_logits, generate, length_groups,
+                                top_logprobs, top_p_drop)
 from flexdraft.models.loading import load_model
 
 GREEDY64 = SamplingParams(max_new_tokens=64)
@@ -104,6 +105,25 @@ def test_draw_follows_the_weights_and_never_picks_a_zero_weight():
     assert torch.all(counts[weights == 0] == 0)
     p = weights / weights.sum(-1, keepdim=True)
     assert torch.all((counts / n - p).abs() <= 5 * (p * (1 - p) / n).sqrt())
+
+
+@pytest.mark.parametrize("vocab", [49152, 151936, 1000, 96])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_chunked_argmax_and_top_logprobs_equal_torch(vocab, dtype):
+    """argmax_tokens equals torch's argmax (the first of tied maxima, here at both ends of the vocabulary and in
+    two chunks) and top_logprobs the top 4 of log_softmax, over bf16 and fp32, strided slices, vocabularies the
+    chunking splits (SmolLM2's 49,152, Qwen's 151,936 in chunks of 128) and ones it leaves to torch."""
+    g = torch.Generator().manual_seed(vocab)
+    x = (torch.randn(3, 6, vocab, generator=g) * 4).to(dtype)
+    x[0, 0, 3] = x[0, 0, vocab - 1] = 60.0
+    x[1, 2, vocab // 2] = x[1, 2, vocab // 2 + 1] = 60.0  # (adjacent: one chunk, unless it is a boundary)
+    for logits in (x, x[:, 1:4]):
+        assert torch.equal(argmax_tokens(logits), logits.float().argmax(-1))
+        logp, ids = top_logprobs(logits, 4)
+        ref_logp, ref_ids = logits.float().log_softmax(-1).topk(4, dim=-1)
+        assert torch.allclose(logp, ref_logp, atol=1e-4)  # (fp32 sums of 150k terms in another order)
+        assert torch.equal(logits.float().gather(-1, ids), logits.float().gather(-1, ref_ids))  # (ties: any order)
+    assert argmax_tokens(x)[0, 0] == 3
 
 
 @pytest.mark.parametrize("kwargs,needle", [

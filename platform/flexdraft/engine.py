@@ -33,7 +33,8 @@ import torch
 
 from flexdraft.drafter import Drafter
 from flexdraft.errors import FlexDraftError
-from flexdraft.generate import Generation, SamplingParams, draw, filtered_logits, make_generator, prefill, sample
+from flexdraft.generate import (Generation, SamplingParams, argmax_tokens, draw, filtered_logits, make_generator,
+                                prefill, sample, top_logprobs)
 from flexdraft.lookup import PRIOR_ACCEPTED, STORE_PRIOR_ACCEPTED, NgramIndex, NgramStore
 from flexdraft.models.transformer import Linear, Transformer, attend, grouped_bias
 
@@ -610,7 +611,7 @@ class Engine:
 
     def _sample(self, logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """logits [r, V] of rows -> [r] tokens drawn with each row's own params and generator."""
-        tokens = logits.float().argmax(-1)
+        tokens = argmax_tokens(logits)
         for i, row in enumerate(rows.tolist()):
             req = self.slots[row]
             if not req.params.greedy:
@@ -639,13 +640,14 @@ class Engine:
         Bv = logits.shape[1]
         cfg = self.config
         if self.trees:  # a tree step may come next: keep each slot's top candidates (the first is the draft)
-            logp, cand = logits.float().log_softmax(-1).topk(self.cand.shape[-1], dim=-1)  # [r, Bv, K]
+            logp, cand = top_logprobs(logits, self.cand.shape[-1])  # [r, Bv, K]
             self.cand[rows, :Bv], self.cand_logp[rows, :Bv] = cand, logp
             conf, drafts = logp[..., 0].exp(), cand[..., 0]
         elif cfg.mode == "parallel" or (cfg.mode == "adaptive" and len(self.slots) <= cfg.switch_batch):
-            conf, drafts = logits.float().softmax(-1).max(-1)  # [r, Bv]: pruning weighs the confidences
+            logp, drafts = top_logprobs(logits, 1)  # pruning weighs the confidences
+            conf, drafts = logp[..., 0].exp(), drafts[..., 0]  # [r, Bv]
         else:  # no parallel step can come next at this batch size: skip the softmax over the vocabulary
-            drafts = logits.float().argmax(-1)
+            drafts = argmax_tokens(logits)
             conf = torch.ones(drafts.shape, device=drafts.device)
         for i, row in enumerate(rows.tolist()):
             req = self.slots[row]
@@ -762,7 +764,7 @@ class Engine:
         view = self.cache.rows(0, n)
         logits = self._timed(stats, "target", lambda: self.target.logits(
             self.target(tokens, pos, view, mask=mask, span=span, slots=slots)), n, N + 1)
-        top = logits.float().argmax(-1)  # [n, N + 1]
+        top = argmax_tokens(logits)  # [n, N + 1]
         accepted, node = tree_walk(nodes == top.gather(1, parent), anc, depth)
         new_bonus = top.gather(1, node[:, None]).squeeze(1)
         for r in range(n):
@@ -798,7 +800,7 @@ class Engine:
         Sampling: accept d_j with probability min(1, p_j(d_j) / q_j(d_j)); at the first rejection draw the
         bonus from normalize(max(0, p_j - q_j)), after all accepted from p_Bv (speculative sampling)."""
         n, Bv = drafts.shape
-        top = logits.float().argmax(-1)  # [n, T]
+        top = argmax_tokens(logits)  # [n, T]
         match = (drafts == top[:, :Bv]).long()
         accepted = match.cumprod(-1).sum(-1) if Bv else torch.zeros(n, dtype=torch.long, device=logits.device)
         bonus = top.gather(1, accepted[:, None]).squeeze(1)

@@ -33,6 +33,48 @@ class SamplingParams:
         return self.temperature == 0
 
 
+def _vocab_chunks(x: torch.Tensor) -> torch.Tensor | None:
+    """[..., V] -> [M, V / c, c]: the vocabulary in chunks of c = the largest power of two <= 1024 dividing V
+    (None where that is under 64: small vocabularies take the plain path)."""
+    V = x.shape[-1]
+    c = min(1024, V & -V)
+    return x.reshape(-1, V // c, c) if c >= 64 and V >= 4 * c else None
+
+
+def argmax_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """[..., V] -> [...]: the argmax over the vocabulary, the first index among equal maxima (as torch.argmax).
+    Through each chunk's maximum, then the argmax inside the first chunk holding the largest: on the 2-core CPU
+    torch's argmax over 49k entries runs at ~0.7 G entries/s (16 rows x 9 verify tokens: 15 ms next to a 100 ms
+    forward), its amax ~5x faster."""
+    xs = _vocab_chunks(logits)
+    if xs is None:
+        return logits.float().argmax(-1)
+    M, c = xs.shape[0], xs.shape[-1]
+    best = xs.amax(-1).argmax(-1)  # [M]
+    within = xs[torch.arange(M, device=xs.device), best].argmax(-1)
+    return (best * c + within).view(logits.shape[:-1])
+
+
+def top_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., V] -> (fp32 log-probabilities [..., k] in descending order, their token ids [..., k]): the top k of
+    log_softmax(logits). The k largest logits lie in the k chunks with the largest maxima, so the top-k runs
+    over those only, and the normaliser is one pass of exp; log_softmax + topk over [16, 8, 49k] took 75 ms on
+    the 2-core CPU, more than a 16-row verify forward."""
+    xs = _vocab_chunks(logits)
+    if xs is None or k > xs.shape[-1]:
+        return logits.float().log_softmax(-1).topk(k, dim=-1)
+    M, C, c = xs.shape
+    cmax = xs.amax(-1)  # [M, C]
+    chunks = cmax.topk(min(k, C), dim=-1).indices  # [M, k']
+    vals, j = xs[torch.arange(M, device=xs.device)[:, None], chunks].reshape(M, -1).float().topk(k, dim=-1)
+    ids = chunks.gather(1, j // c) * c + j % c
+    m = cmax.amax(-1, keepdim=True).float()  # [M, 1]
+    e = xs.reshape(M, -1).to(torch.float32, copy=True).sub_(m).exp_()
+    lse = m + e.sum(-1, keepdim=True).log_()
+    shape = (*logits.shape[:-1], k)
+    return (vals - lse).view(shape), ids.view(shape)
+
+
 def filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """[N, V] logits -> fp32 logits after temperature, top-k and top-p (removed tokens at -inf).
 
@@ -77,7 +119,7 @@ def draw(weights: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
     """[N, V] -> [N] next tokens: argmax when greedy, else a draw from the filtered distribution."""
     if params.greedy:
-        return logits.float().argmax(-1)  # argmax over bf16 on CPU is ~10x slower than the cast + argmax
+        return argmax_tokens(logits)
     return draw(filtered_logits(logits, params).softmax(-1), generator)
 
 

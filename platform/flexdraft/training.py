@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from flexdraft.drafter import Drafter
 from flexdraft.engine import draft_tree, tree_ancestors, tree_tokens, tree_walk
 from flexdraft.errors import FlexDraftError
+from flexdraft.generate import argmax_tokens, top_logprobs
 from flexdraft.models.transformer import KVCache, Transformer
 
 
@@ -190,7 +191,7 @@ TREES = (8, 16)  # token-tree sizes (engine tree mode, top-4 drafts per slot) wh
 def tree_accepted(logits: torch.Tensor, target_tokens: torch.Tensor, nodes: int, width: int = 4) -> torch.Tensor:
     """Draft logits [M, B, V] of M blocks (d_1..d_B), the target's greedy continuation [M, B] -> drafts a token
     tree of `nodes` drafts would accept per block [M], as the engine's tree mode builds and walks it."""
-    logp, cand = logits.float().log_softmax(-1).topk(width, dim=-1)  # [M, B, K]
+    logp, cand = top_logprobs(logits, width)  # [M, B, K]
     depth, parent, rank = draft_tree(logp, nodes)
     tokens = tree_tokens(cand, depth, rank)  # [M, N]
     return tree_walk(tokens == target_tokens.gather(1, depth - 1), tree_ancestors(parent), depth)[0]
@@ -204,7 +205,7 @@ def agreement_counts(drafter: Drafter, target: Transformer, seqs: Sequences, str
     B = drafter.config.block_size
     cache, h = target_pass(target, seqs)
     anchors, valid = strided_anchors(seqs, B, stride, max_anchors)
-    target_tokens = target.logits(gather_positions(h, anchors, B)).float().argmax(-1)  # [R, A, B]
+    target_tokens = argmax_tokens(target.logits(gather_positions(h, anchors, B)))  # [R, A, B]
     bonus = seqs.tokens.gather(1, anchors + 1)
     out = {"blocks": int(valid.sum())}
     for mode in MODES:
@@ -213,7 +214,7 @@ def agreement_counts(drafter: Drafter, target: Transformer, seqs: Sequences, str
         if mode == "mask_calibrated":
             hd = drafter.calibrate(target, hd, bonus[..., None].expand(hd.shape[:-1]))
         logits = target.logits(hd)  # [R, A, B, V]
-        agree = (logits.float().argmax(-1) == target_tokens) & valid[..., None]  # [R, A, B]
+        agree = (argmax_tokens(logits) == target_tokens) & valid[..., None]  # [R, A, B]
         out[f"{mode}.agree"] = agree.sum((0, 1)).tolist()
         out[f"{mode}.prefix"] = int(agree.long().cumprod(-1).sum())
         if mode == "bonus":  # sequential drafts verified as token trees (the engine's tree mode)
