@@ -621,6 +621,33 @@ def test_adaptive_takes_lookup_steps_where_they_pay_and_stays_exact(tiny, drafte
     assert "lookup" not in run(4, per_token=0.05)[0]
 
 
+def test_a_draining_batch_takes_lookup_steps_only_where_every_lagging_row_has_a_match(tiny, drafters):
+    """With requests waiting, a lookup step where one of two rows has a match pays (a row that ends early is
+    refilled); once nothing waits it does not, since the batch ends with its slowest row; when the matched row is
+    more than B tokens ahead, the other one alone sets the pace and an AR step is all a lookup step would give."""
+    e = Engine(tiny, drafters["trained"], EngineConfig(mode="adaptive", max_batch=2, max_len=96))
+    for rows, tokens in itertools.product((1, 2), (1, 2, 3, 5, 9)):
+        e.costs.record("target", rows, tokens, 0.01)  # flat: verifying drafts is free
+    ids = [e.add_request(p, SamplingParams(max_new_tokens=40)) for p in ragged_prompts(3, seed=5)]
+    e.step()  # admits two rows; the third request waits
+    for req in e.slots:
+        del req.tokens[1:]  # both rows equally far from their max_new_tokens
+    proposals = [([[5, 6, 7, 8]], "lookup3"), ([], None)]  # row 0 has a match, row 1 none
+
+    def plan():
+        e._propose = lambda n: setattr(e, "_proposals", list(proposals)) or True
+        return e._lookup_plan(2, 2 / 0.01)  # (AR's rate)
+
+    assert e.waiting and plan() is not None
+    e.abort(ids[2])
+    assert plan() is None
+    proposals.reverse()
+    e.slots[1].tokens.extend([1] * (e.B + 1))  # row 1 (now the matched one) far ahead: row 0 alone is critical
+    assert plan() is None
+    proposals.reverse()
+    assert plan() is not None
+
+
 def test_cost_model_tells_rows_from_tokens_per_row():
     """Forward costs are kept by (rows, tokens per row): between measured points time is linear in tokens per
     row along a row count, then in rows; beyond the most rows measured, proportional. 16 rows x 2 tokens and
