@@ -635,7 +635,7 @@ def test_a_draining_batch_takes_lookup_steps_only_where_every_lagging_row_has_a_
     proposals = [([[5, 6, 7, 8]], "lookup3"), ([], None)]  # row 0 has a match, row 1 none
 
     def plan():
-        e._propose = lambda n: setattr(e, "_proposals", list(proposals)) or True
+        e._propose = lambda n, first=None: setattr(e, "_proposals", list(proposals)) or True
         return e._lookup_plan(2, 2 / 0.01)  # (AR's rate)
 
     assert e.waiting and plan() is not None

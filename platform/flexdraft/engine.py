@@ -462,20 +462,27 @@ class Engine:
     # bias cancels and no margin applies; where verifying tokens is nearly free (a GPU) lookup promises more.
     LOOKUP_MARGIN = 1.5
 
-    def _propose(self, n: int) -> bool:
+    def _propose(self, n: int, first: list[int] | None = None) -> bool:
         """This step's lookup chains of rows 0..n-1 (`_proposals`: per row its chains, the prompt's first, and the
-        acceptance kind they count towards, None without any); True when some row has one."""
-        self._proposals = []
-        for req in self.slots[:n]:
-            chain, size = req.index.propose(self.B)
-            chains, kind = ([chain], f"lookup{size}") if size else ([], None)
-            if self.store is not None:
-                extra, size = self.store.propose(req.index.tokens, self.B)
-                if extra and extra != chain[:len(extra)]:  # a prefix of the prompt's chain adds nothing
-                    chains.append(extra)
-                    kind = kind or f"store{size}"
-            self._proposals.append((chains, kind))
+        acceptance kind they count towards, None without any); True when some row has one. With `first`, rows
+        that all need one: False as soon as one has none, the others not proposed (16 rows: ~1 ms a step)."""
+        proposals: list = [None] * n
+        for row in first or ():
+            proposals[row] = self._proposal(self.slots[row])
+            if proposals[row][1] is None:
+                return False
+        self._proposals = [p or self._proposal(req) for p, req in zip(proposals, self.slots[:n])]
         return any(kind for _, kind in self._proposals)
+
+    def _proposal(self, req: _Request) -> tuple[list[list[int]], str | None]:
+        chain, size = req.index.propose(self.B)
+        chains, kind = ([chain], f"lookup{size}") if size else ([], None)
+        if self.store is not None:
+            extra, size = self.store.propose(req.index.tokens, self.B)
+            if extra and extra != chain[:len(extra)]:  # a prefix of the prompt's chain adds nothing
+                chains.append(extra)
+                kind = kind or f"store{size}"
+        return chains, kind
 
     def _critical_rows(self, n: int) -> list[int] | None:
         """The rows that set when this batch drains: None while requests wait (a row that finishes early is
@@ -496,7 +503,7 @@ class Engine:
         of two chains verifies up to twice the tokens, which at 4-16 rows costs more than the store's chains add
         (and `_proposals` becomes what won)."""
         critical = self._critical_rows(n)
-        if not self._propose(n):
+        if not self._propose(n, first=critical):  # (a critical row without a match: n tokens, as AR, dearer)
             return None
         options = [self._proposals]
         if self.store is not None:
