@@ -516,8 +516,8 @@ class Engine:
                 expected = {k: self.acceptance.expected_accepted(k, Bv) for k in set(kinds) - {None}}
                 extra = [expected[k] if k else 0.0 for k in kinds]  # per row
                 tokens = n + (sum(extra) if critical is None else n * min(extra[r] for r in critical))
-                # verify tokens after the bonus: Bv for chains, a trie's nodes
-                nodes = max(Bv, *(len(trie_nodes([c[:Bv] for c in chains])) for chains, _ in proposals))
+                # verify tokens after the bonus: Bv for chains (one has at most Bv nodes), a trie's nodes
+                nodes = max([Bv] + [len(trie_nodes([c[:Bv] for c in cs])) for cs, _ in proposals if len(cs) > 1])
                 seconds = self.costs.seconds("target", n, nodes + 1) + self.costs.overhead("lookup")
                 if tokens / seconds > best_rate:
                     best, best_rate, chosen = Plan("lookup", Bv), tokens / seconds, proposals
