@@ -386,7 +386,7 @@ DEFAULT_DRAFTER = Path.home() / ".flexdraft/pipelines/smollm2-default/drafter"
 
 @pytest.mark.real_model
 def test_real_model_greedy_lossless_with_trained_drafter(real_lm, gsm8k_prompts):
-    """Bundled SmolLM2 in fp32, 4 GSM8K chat prompts, 48 new tokens: sequential, tree, parallel (top-3 branches)
+    """Bundled SmolLM2 in fp32, 4 GSM8K chat prompts, 32 new tokens: sequential, tree, parallel (top-3 branches)
     and adaptive output equals AR greedy, with the drafter trained by the default pipeline when it exists here
     (else an untrained one: losslessness holds for any drafter)."""
     model = real_lm.model
@@ -396,7 +396,7 @@ def test_real_model_greedy_lossless_with_trained_drafter(real_lm, gsm8k_prompts)
     else:
         drafter, prior = Drafter.from_target(model, DrafterConfig()), None
     prompts = gsm8k_prompts[:4]
-    params = SamplingParams(max_new_tokens=48)
+    params = SamplingParams(max_new_tokens=32)
     ref = [g.token_ids for g in generate(model, prompts, params, real_lm.eos_token_ids)]
     for mode, extra in (("sequential", {}), ("tree", {}), ("parallel", {"top_m": 3}), ("adaptive", {})):
         engine = Engine(model, drafter, EngineConfig(mode=mode, max_batch=4, max_len=512, **extra),

@@ -62,18 +62,21 @@ def test_bad_harness_config_names_the_problem(tmp_path, capsys, overrides, needl
 
 @pytest.mark.real_model
 def test_harness_run_is_lossless_and_complete(tmp_path, mlflow_uri, real_folder):
-    """fp32, untrained drafter, 2 datasets (+ MATH listed) x batch 1, 2 x every method: every FlexDraft row
-    equals our AR token for token; every cell has a row (prompt lookup skipped above batch 1); the report names
-    the unavailable set; plots and results are logged to MLflow."""
+    """fp32, untrained drafter, MT-Bench (two-turn prompts; MATH listed too) x batch 1, 2 x every method: every
+    FlexDraft row equals our AR token for token; every cell has a row (prompt lookup and the all-branch parallel
+    rows skipped above batch 1, with their reasons); the report names the unavailable set; plots and results are
+    logged to MLflow."""
     cfg = HarnessConfig(model=str(real_folder), drafter="init", dtype="float32", threads=1,
-                        datasets=["gsm8k", "mt-bench", "math"], samples=2, batch_sizes=[1, 2], max_new_tokens=10,
-                        answer_tokens=8, profile=True, output_dir=str(tmp_path / "out"))
+                        datasets=["mt-bench", "math"], samples=2, batch_sizes=[1, 2], max_new_tokens=8,
+                        answer_tokens=8, all_branches_max_batch=1, profile=True, output_dir=str(tmp_path / "out"))
     results = run_harness(cfg, log=lambda s: None)
     rows = results["rows"]
     assert {(r["dataset"], r["batch"], r["method"]) for r in rows} == {
-        (d, b, m) for d in ("gsm8k", "mt-bench") for b in (1, 2) for m in METHODS}
+        ("mt-bench", b, m) for b in (1, 2) for m in METHODS}
     ran = [r for r in rows if "skipped" not in r]
-    assert {(r["method"], r["batch"]) for r in rows if "skipped" in r} == {("hf-prompt-lookup", 2)}
+    skipped = {(r["method"], r["batch"]): r["skipped"] for r in rows if "skipped" in r}
+    assert skipped.keys() == {("hf-prompt-lookup", 2), ("parallel", 2), ("parallel-uncalibrated", 2)}
+    assert "all_branches_max_batch" in skipped[("parallel", 2)]
     for r in ran:
         assert r["tokens"] > 0 and r["tok_s"] > 0 and r["prompts"] == 2
         if METHODS[r["method"]].kind == "engine":
@@ -92,7 +95,7 @@ def test_harness_run_is_lossless_and_complete(tmp_path, mlflow_uri, real_folder)
     for png in ("speedup_vs_batch.png", "tau_hist.png", "acceptance.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
     run = mlflow.search_runs(experiment_names=["flexdraft-bench"], output_format="list")[0]
-    assert run.data.metrics["mismatched_rows.gsm8k.parallel.b2"] == 0
+    assert run.data.metrics["mismatched_rows.mt-bench.parallel-pruned.b2"] == 0
     names = {a.path for a in mlflow.MlflowClient().list_artifacts(run.info.run_id)}
     assert {"results.md", "results.json", "speedup_vs_batch.png", "config.json"} <= names
 
