@@ -107,3 +107,29 @@ def test_bf16_runtime_tracks_fp32(tmp_path):
     a, b = incremental_logits(ref, seqs, 16), incremental_logits(bf16, seqs, 16).float()
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.9
     assert (a - b).abs().max() < 0.1 * a.abs().max()
+
+
+@pytest.mark.parametrize("prepack", [False, True], ids=["plain", "prepacked"])
+def test_fused_projections_keep_the_state_and_share_its_memory(tmp_path, prepack):
+    """to_runtime's fused q/k/v and gate/up GEMMs (with attention biases): the state_dict keeps transformers'
+    names and values (so weight fingerprints do not change), the originals' weights are views of the fused ones
+    (no memory added), and a forward equals the unfused one."""
+    from flexdraft.drafter import weights_fingerprint
+
+    make_tiny_hf("llama", tmp_path, attention_bias=True)
+    runtime = RuntimeConfig(device="cpu", dtype="float32", threads=1, cpu_prepack=prepack)
+    model = load_model(tmp_path, runtime, with_tokenizer=False).model
+    unfused = load_model(tmp_path, runtime, with_tokenizer=False).model
+    for layer in unfused.layers:
+        layer.self_attn.qkv = layer.mlp.gate_up = None
+    assert model.state_dict().keys() == unfused.state_dict().keys()
+    assert weights_fingerprint(model) == weights_fingerprint(unfused)
+    attn = model.layers[0].self_attn
+    fused = attn.qkv.linear
+    assert attn.k_proj.weight.untyped_storage().data_ptr() == fused.weight.untyped_storage().data_ptr()
+    assert attn.v_proj.bias.untyped_storage().data_ptr() == fused.bias.untyped_storage().data_ptr()
+    assert (fused.packed is not None) == prepack and attn.q_proj.packed is None
+    seqs = torch.randint(3, 96, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        torch.testing.assert_close(incremental_logits(model, seqs, 5), incremental_logits(unfused, seqs, 5),
+                                   atol=1e-5, rtol=1e-5)

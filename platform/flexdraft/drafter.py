@@ -88,19 +88,9 @@ class PairedAttention:
         self.target_attn, self.drafter_attn = target_attn, drafter_attn
         qkv = [m for a in (target_attn, drafter_attn) for m in (a.q_proj, a.k_proj, a.v_proj)]
         self.qkv_sizes = [m.out_features for m in qkv]
-        self.qkv = self._concat(qkv)
-        self.o = self._concat([target_attn.o_proj, drafter_attn.o_proj])
-
-    @staticmethod
-    def _concat(linears: list[Linear]) -> Linear:
-        w = torch.cat([m.weight.detach() for m in linears])
-        out = Linear(w.shape[1], w.shape[0], bias=linears[0].bias is not None).to(device=w.device, dtype=w.dtype)
-        out.weight.data = w
-        if out.bias is not None:
-            out.bias.data = torch.cat([m.bias.detach() for m in linears])
-        if linears[0].packed is not None:
-            out.pack()
-        return out
+        pack = target_attn.o_proj.packed is not None  # a prepacked target (its o is never fused: see Fused)
+        self.qkv = Linear.concat(qkv, pack)
+        self.o = Linear.concat([target_attn.o_proj, drafter_attn.o_proj], pack)
 
     def project(self, x, cos, sin, clean: torch.Tensor):
         """x [R, N, d], clean [R, N] -> q, k, v as `Attention.project` gives them, the target's at clean slots."""

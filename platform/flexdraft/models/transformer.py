@@ -154,6 +154,44 @@ class Linear(nn.Linear):
             return y[:1].view(*x.shape[:-1], -1)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
+    @staticmethod
+    def concat(linears: list["Linear"], pack: bool) -> "Linear":
+        """One Linear whose outputs are the given ones' side by side (same input width): a copy."""
+        w = torch.cat([m.weight.detach() for m in linears])
+        out = Linear(w.shape[1], w.shape[0], bias=linears[0].bias is not None).to(device=w.device, dtype=w.dtype)
+        out.weight.data = w
+        if out.bias is not None:
+            out.bias.data = torch.cat([m.bias.detach() for m in linears])
+        if pack:
+            out.pack()
+        return out
+
+
+class Fused:
+    """Inference only: Linears that read the same input, run as one GEMM; `fused(x)` -> their outputs.
+
+    A SmolLM2 forward makes 211 GEMM calls, each with a fixed cost; with q/k/v and gate/up fused it makes 121.
+    Measured (bf16, oneDNN, 2 threads, forward time fused / unfused, median of 25 paired runs): batch 1 at 1
+    and 9 tokens 0.93, at 17 tokens 1.00; batch 16 at 1 and 3 tokens 0.95 and 0.97. At batch 1 the outputs
+    are bitwise those of the separate GEMMs; at 16 rows the wider GEMM may round differently in bf16. The
+    originals' weights become views of the fused weight (no memory is added; their prepacked copies are
+    dropped). Not an nn.Module, so not in any state_dict; `Transformer.to_runtime` builds it after the model's
+    last move, and a later `.to()` would leave it stale."""
+
+    def __init__(self, linears: list[Linear]):
+        self.linear = Linear.concat(linears, pack=linears[0].packed is not None)
+        self.sizes = [m.out_features for m in linears]
+        start = 0
+        for m, n in zip(linears, self.sizes):
+            m.weight.data = self.linear.weight.data[start:start + n]
+            if m.bias is not None:
+                m.bias.data = self.linear.bias.data[start:start + n]
+            m.packed = None
+            start += n
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.linear(x).split(self.sizes, dim=-1)
+
 
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
@@ -169,9 +207,12 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        self.qkv: Fused | None = None  # inference: q, k, v in one GEMM (Transformer.to_runtime)
 
     def project(self, x, cos, sin):
         """x [B, T, d] -> q [B, H, T, D], k and v [B, Hkv, T, D], with rope (and q/k norm) applied."""
+        if self.qkv is not None:
+            return self.heads(*self.qkv(x), cos, sin)
         return self.heads(self.q_proj(x), self.k_proj(x), self.v_proj(x), cos, sin)
 
     def heads(self, q, k, v, cos, sin):
@@ -211,9 +252,11 @@ class MLP(nn.Module):
         self.gate_proj = Linear(args.dim, args.intermediate_size, bias=args.mlp_bias)
         self.up_proj = Linear(args.dim, args.intermediate_size, bias=args.mlp_bias)
         self.down_proj = Linear(args.intermediate_size, args.dim, bias=args.mlp_bias)
+        self.gate_up: Fused | None = None  # inference: gate and up in one GEMM (Transformer.to_runtime)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up(x) if self.gate_up is not None else (self.gate_proj(x), self.up_proj(x))
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -251,7 +294,8 @@ class Transformer(nn.Module):
         return self.embed_tokens.weight.device
 
     def to_runtime(self, device, dtype, prepack: bool = False) -> "Transformer":
-        """Move to device/dtype for inference; prepack: oneDNN weight prepacking on CPU (see Linear)."""
+        """Move to device/dtype for inference (the model is frozen from here on); prepack: oneDNN weight
+        prepacking on CPU (see Linear); q/k/v and gate/up are fused (see Fused)."""
         self.to(device=device, dtype=dtype)
         on_cpu = torch.device(device).type == "cpu"
         for m in self.modules():
@@ -260,6 +304,10 @@ class Transformer(nn.Module):
                     m.pack()
                 else:
                     m.packed = None
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.qkv = Fused([attn.q_proj, attn.k_proj, attn.v_proj])
+            mlp.gate_up = Fused([mlp.gate_proj, mlp.up_proj])
         self.math_attention = on_cpu and dtype != torch.float32
         self.inv_freq = rope_inv_freq(self.args).to(device)  # stays fp32 (and leaves the meta device)
         return self
