@@ -11,7 +11,7 @@ import torch
 from conftest import make_tiny_hf
 from flexdraft.config import RuntimeConfig
 from flexdraft.drafter import Drafter, DrafterConfig, read_drafter_meta, load_drafter
-from flexdraft.engine import CostModel, Engine, EngineConfig, Plan, chain_trie, parallel_forward, trie_nodes
+from flexdraft.engine import CostModel, Engine, EngineConfig, Plan, chain_trie, monotone, parallel_forward, trie_nodes
 from flexdraft.errors import FlexDraftError
 from flexdraft.generate import SamplingParams, filtered_logits, generate, prefill
 from flexdraft.lookup import NgramIndex, NgramStore
@@ -646,6 +646,42 @@ def test_a_draining_batch_takes_lookup_steps_only_where_every_lagging_row_has_a_
     assert plan() is None
     proposals.reverse()
     assert plan() is not None
+
+
+def test_profile_keeps_each_shape_fastest_run_past_a_slow_spell_and_is_monotone(tiny, drafters):
+    """Engine.profile on a synthetic clock: a slow spell as long as a whole round but one shape (every shape
+    has a run outside it) changes no profiled cost; a shape measured slower than a larger one of its kind is
+    priced at that larger one's cost; the profile seeds the cost model."""
+    engine = Engine(tiny, drafters["untrained"], EngineConfig(mode="adaptive", max_batch=4, max_len=64))
+    true = lambda kind, n, T, m: 0.01 + 0.001 * n * T * (1 + m) + (0.005 if kind == "draft" else 0)  # noqa: E731
+    calls = []
+
+    def clean(kind, n, T, m):
+        calls.append((kind, n, T, m))
+        return true(kind, n, T, m)
+
+    engine.profile(rounds=2, timer=clean)
+    per_round = len(calls) // 3  # the warm-up round + 2
+    spell = range(per_round + 1, 2 * per_round + 1)  # from round 1's second shape into round 2's first
+    clock = iter(range(10 ** 6))
+
+    def spelled(kind, n, T, m):
+        i = next(clock)
+        slow = 1.0 if i in spell else 0.0
+        anomaly = 0.5 if (kind, n, T) == ("target", 1, 2) else 0.0  # always slower than 1 x 3 tokens
+        return true(kind, n, T, m) + slow + anomaly
+
+    points = engine.profile(rounds=2, timer=spelled)
+    for kind, n, T, m in set(calls) - {("target", 1, 2, 0)}:
+        assert points[kind][(n, T * (1 + m))] == pytest.approx(true(kind, n, T, m)), (kind, n, T, m)
+    assert points["target"][(1, 2)] == pytest.approx(true("target", 1, 3, 0))  # bounded by the larger shape
+    assert engine.costs.seconds("target", 4, 5) == pytest.approx(true("target", 4, 5, 0))
+
+
+def test_monotone_bounds_each_point_by_every_larger_one():
+    pts = {(1, 1): 3.0, (1, 2): 2.0, (1, 4): 5.0, (2, 1): 1.5, (2, 4): 6.0}
+    assert monotone(pts) == {(1, 1): 1.5, (1, 2): 2.0, (1, 4): 5.0, (2, 1): 1.5, (2, 4): 6.0}
+    assert monotone(monotone(pts)) == monotone(pts)
 
 
 def test_cost_model_tells_rows_from_tokens_per_row():
