@@ -174,19 +174,18 @@ class Fused:
     Measured (bf16, oneDNN, 2 threads, forward time fused / unfused, median of 25 paired runs): batch 1 at 1
     and 9 tokens 0.93, at 17 tokens 1.00; batch 16 at 1 and 3 tokens 0.95 and 0.97. At batch 1 the outputs
     are bitwise those of the separate GEMMs; at 16 rows the wider GEMM may round differently in bf16. The
-    originals' weights become views of the fused weight (no memory is added; their prepacked copies are
-    dropped). Not an nn.Module, so not in any state_dict; `Transformer.to_runtime` builds it after the model's
-    last move, and a later `.to()` would leave it stale."""
+    originals' weights become views of the fused weight (no memory is added; only the fused one is prepacked).
+    Not an nn.Module, so not in any state_dict; `Transformer.to_runtime` builds it after the model's last move,
+    and a later `.to()` would leave it stale."""
 
-    def __init__(self, linears: list[Linear]):
-        self.linear = Linear.concat(linears, pack=linears[0].packed is not None)
+    def __init__(self, linears: list[Linear], pack: bool):
+        self.linear = Linear.concat(linears, pack)
         self.sizes = [m.out_features for m in linears]
         start = 0
         for m, n in zip(linears, self.sizes):
             m.weight.data = self.linear.weight.data[start:start + n]
             if m.bias is not None:
                 m.bias.data = self.linear.bias.data[start:start + n]
-            m.packed = None
             start += n
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -298,16 +297,18 @@ class Transformer(nn.Module):
         prepacking on CPU (see Linear); q/k/v and gate/up are fused (see Fused)."""
         self.to(device=device, dtype=dtype)
         on_cpu = torch.device(device).type == "cpu"
-        for m in self.modules():
-            if isinstance(m, Linear):
-                if prepack and on_cpu and torch.backends.mkldnn.is_available():
-                    m.pack()
-                else:
-                    m.packed = None
+        pack = prepack and on_cpu and torch.backends.mkldnn.is_available()
+        fused: set[Linear] = set()  # run only through their Fused: never packed themselves
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            attn.qkv = Fused([attn.q_proj, attn.k_proj, attn.v_proj])
-            mlp.gate_up = Fused([mlp.gate_proj, mlp.up_proj])
+            qkv, gate_up = [attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj]
+            attn.qkv, mlp.gate_up = Fused(qkv, pack), Fused(gate_up, pack)
+            fused.update(qkv + gate_up)
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.packed = None
+                if pack and m not in fused:
+                    m.pack()
         self.math_attention = on_cpu and dtype != torch.float32
         self.inv_freq = rope_inv_freq(self.args).to(device)  # stays fp32 (and leaves the meta device)
         return self
