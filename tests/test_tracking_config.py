@@ -35,8 +35,14 @@ class Outer:
 
 
 def test_config_from_dict_nested_and_strict():
+    """Nested sections fill their missing keys from the field's default (not the nested class's), and unknown
+    keys or wrong types name the key."""
     cfg = from_dict(Outer, {"name": "y", "inner": {"lr": 1, "layers": [1, 2]}})
     assert cfg.inner.lr == 1 and cfg.inner.layers == [1, 2]
+    from flexdraft.pipeline import PipelineConfig
+
+    cfg = from_dict(PipelineConfig, {"calibration": {"lr": 3e-3}})
+    assert cfg.calibration.lr == 3e-3 and cfg.calibration.steps == PipelineConfig().calibration.steps == 200
     with pytest.raises(FlexDraftError, match=r"config.inner: unknown key\(s\) lrr"):
         from_dict(Outer, {"inner": {"lrr": 1}})
     with pytest.raises(FlexDraftError, match=r"config.inner.lr: expected float, got 'fast'"):

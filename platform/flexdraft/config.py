@@ -94,13 +94,15 @@ def _check_type(value, hint) -> bool:
 
 
 def from_dict(cls, data: dict | None, where: str = ""):
-    """Build dataclass `cls` from `data`, recursing into nested dataclasses; unknown keys and wrong types
-    raise FlexDraftError naming the key."""
+    """Build dataclass `cls` from `data`, recursing into nested dataclasses (a nested section's missing keys take
+    the field's default, e.g. `calibration: {lr: 3e-3}` keeps the calibration default's steps); unknown keys and
+    wrong types raise FlexDraftError naming the key."""
     data = data or {}
     if not isinstance(data, dict):
         raise FlexDraftError(f"config{where}: expected a mapping, got {type(data).__name__}")
     hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    names = set(fields)
     unknown = sorted(set(data) - names)
     if unknown:
         raise FlexDraftError(f"config{where}: unknown key(s) {', '.join(unknown)} (allowed: {', '.join(sorted(names))})")
@@ -110,7 +112,9 @@ def from_dict(cls, data: dict | None, where: str = ""):
         if not _check_type(value, hint):
             raise FlexDraftError(f"config{where}.{key}: expected {getattr(hint, '__name__', hint)}, got {value!r}")
         if dataclasses.is_dataclass(hint) and isinstance(value, dict):
-            value = from_dict(hint, value, f"{where}.{key}")
+            factory = fields[key].default_factory
+            default = dataclasses.asdict(factory()) if factory is not dataclasses.MISSING else {}
+            value = from_dict(hint, {**default, **value}, f"{where}.{key}")
         kwargs[key] = value
     return cls(**kwargs)
 
