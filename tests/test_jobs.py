@@ -93,10 +93,16 @@ def test_attention_then_calibration_with_a_failure_resume_exactly(ray_head, tiny
     assert run_stage(cfg, "calibration")["run_key"] == meta["run_key"]
 
 
-def test_ray_job_submit_runs_the_attention_job(ray_head, tiny_pipeline, tmp_path):
-    """`ray job submit --working-dir . -- python jobs/attn_tuning.py --config ...` against `ray start --head`."""
+def test_ray_job_submit_runs_a_time_budgeted_attention_job(ray_head, tiny_pipeline, tmp_path):
+    """`ray job submit --working-dir . -- python jobs/attn_tuning.py --config ...` against `ray start --head`,
+    with a time budget of 6 s and at most 10,000 steps: the run fixes its step count after StepPlan.PROBE steps
+    and ends there, its LR schedule (cosine after 2 warm-up steps) at its floor, 10% of lr, on that last step."""
+    from flexdraft.jobs import StepPlan
+
     _, raw, _ = tiny_pipeline
-    cfg = dict(raw, output_dir=str(tmp_path / "out"), attention=dict(raw["attention"], steps=3))
+    cfg = dict(raw, output_dir=str(tmp_path / "out"),
+               attention=dict(raw["attention"], steps=10_000, time_budget_min=0.1, warmup_steps=2,
+                              checkpoint_every=10_000, log_every=5))
     src = from_dict(PipelineConfig, raw).distill_dir()  # the tiny data, shared
     dst = from_dict(PipelineConfig, cfg).distill_dir()
     dst.parent.mkdir(parents=True)
@@ -110,7 +116,10 @@ def test_ray_job_submit_runs_the_attention_job(ray_head, tiny_pipeline, tmp_path
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "[attention] done" in proc.stdout
-    assert (tmp_path / "out" / "drafter-attention" / "drafter.json").is_file()
+    steps = json.loads((tmp_path / "out" / "drafter-attention" / "drafter.json").read_text())["steps"]
+    assert StepPlan.PROBE <= steps < 10_000
+    assert "time budget 0.1 min" in proc.stdout and f": {steps} steps (at most 10000)" in proc.stdout
+    assert f"step {steps}/{steps} loss" in proc.stdout and "lr 1.00e-04" in proc.stdout.split(f"step {steps}/")[1]
 
 
 @pytest.mark.parametrize("change,msg", [
@@ -119,7 +128,8 @@ def test_ray_job_submit_runs_the_attention_job(ray_head, tiny_pipeline, tmp_path
     ({"attention": {"steps": "many"}}, "config.attention.steps: expected int"),
     ({"distill": {"seed": 1}}, "no train data"),  # another distill config = data not made yet
     ({"attention": {"dtype": "float16"}}, "float16 is GPU-only"),
-], ids=["k-too-large", "unknown-key", "wrong-type", "missing-data", "fp16-on-cpu"])
+    ({"calibration": {"time_budget_min": -5}}, "config.calibration.time_budget_min must be >= 0"),
+], ids=["k-too-large", "unknown-key", "wrong-type", "missing-data", "fp16-on-cpu", "negative-budget"])
 def test_bad_input_fails_before_any_work(tiny_pipeline, tmp_path, change, msg):
     """Each a one-line error and exit status 2 from the job entrypoint, before Ray starts."""
     _, raw, _ = tiny_pipeline

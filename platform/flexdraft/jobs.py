@@ -121,13 +121,30 @@ def _deepspeed_config(tc: TrainConfig, dtype: torch.dtype) -> dict:
     }
 
 
-def _lr_lambda(tc: TrainConfig):
+class StepPlan:
+    """How many steps a run takes: `steps`, or with a time budget, as many as fit it at the pace of the run's
+    steps 3-10 (fixed once, then kept in every checkpoint: a resumed run ends where the first attempt would)."""
+    PROBE = 10  # steps before the count is fixed (the first 2 warm up, the rest are timed)
+
+    def __init__(self, tc: TrainConfig):
+        self.budget_s, self.most, self.steps = tc.time_budget_min * 60, tc.steps, tc.steps
+        self.fixed = not self.budget_s or tc.steps <= self.PROBE
+
+    def restore(self, stored: int | None) -> None:
+        if stored is not None:
+            self.steps, self.fixed = stored, True
+
+    def fix(self, done: int, s_per_step: float) -> None:
+        self.steps, self.fixed = max(done, min(self.most, int(self.budget_s / s_per_step))), True
+
+
+def _lr_lambda(tc: TrainConfig, plan: StepPlan):
     import math
 
-    def f(step: int) -> float:  # linear warm-up, then cosine down to 10%
+    def f(step: int) -> float:  # linear warm-up, then cosine down to 10% at the plan's last step
         if step < tc.warmup_steps:
             return (step + 1) / tc.warmup_steps
-        t = (step - tc.warmup_steps) / max(1, tc.steps - tc.warmup_steps)
+        t = (step - tc.warmup_steps) / max(1, plan.steps - tc.warmup_steps)
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(t, 1.0)))
     return f
 
@@ -207,8 +224,9 @@ def train_func(config: dict) -> None:
     params = drafter.parameters_for(stage)
     # fused: one vectorised pass over DeepSpeed's flat fp32 partition (5 ms against 51 ms per step on one CPU
     # thread for the 10.6M entries of a k = 24 drafter's half)
+    plan = StepPlan(tc)
     optimizer = torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay, fused=True)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(tc))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(tc, plan))
     engine, optimizer, _, scheduler = deepspeed.initialize(
         model=drafter, optimizer=optimizer, lr_scheduler=scheduler, model_parameters=params,
         config=_deepspeed_config(tc, dtype))
@@ -219,6 +237,7 @@ def train_func(config: dict) -> None:
         with checkpoint.as_directory() as d:
             _, client = engine.load_checkpoint(d, tag="ds")
         start = client["step"]
+        plan.restore(client.get("planned_steps"))
 
     B = cfg.drafter.block_size
     train_rows = _rows(ray.train.get_dataset_shard("train"), tc.max_seq_len, B + 2)
@@ -242,7 +261,8 @@ def train_func(config: dict) -> None:
             ray.train.report({**metrics, "step": step})
             return
         with tempfile.TemporaryDirectory() as tmp:
-            engine.save_checkpoint(tmp, tag="ds", client_state={"step": step})
+            client = {"step": step, "planned_steps": plan.steps if plan.fixed else None}
+            engine.save_checkpoint(tmp, tag="ds", client_state=client)
             ray.train.report({**metrics, "step": step}, checkpoint=ray.train.Checkpoint.from_directory(tmp))
 
     if start == 0 and stage == "attention":  # the untrained drafter, for before/after
@@ -252,7 +272,9 @@ def train_func(config: dict) -> None:
 
     t_window, seq_tokens, blocks, losses = time.perf_counter(), 0, 0, []
     t_run, run_totals = time.perf_counter(), torch.zeros(2, dtype=torch.float64)  # this attempt's tokens, blocks
-    for step in range(start, tc.steps):
+    probe = []  # times at which this attempt's step 2 and step PROBE ended (a budgeted run's pace)
+    step = start
+    while step < plan.steps:
         if config.get("fail_at_step") == step and not Path(config["fail_marker"]).exists():
             Path(config["fail_marker"]).touch()  # fail once (the resumed attempt passes this step)
             raise RuntimeError(f"injected failure at step {step}")
@@ -267,7 +289,18 @@ def train_func(config: dict) -> None:
         blocks += out.blocks
         run_totals += torch.tensor([out.tokens, out.blocks], dtype=torch.float64)
         done = step + 1
-        if done % tc.log_every == 0 or done % tc.checkpoint_every == 0 or done == tc.steps:
+        if not plan.fixed and done in (start + 2, start + plan.PROBE):
+            probe.append(time.perf_counter())
+            if len(probe) == 2:  # every worker takes the slowest pace: they step in lockstep
+                pace = torch.tensor([(probe[1] - probe[0]) / (plan.PROBE - 2)], dtype=torch.float64)
+                if world > 1:
+                    torch.distributed.all_reduce(pace, op=torch.distributed.ReduceOp.MAX)
+                plan.fix(done, pace.item())
+                if rank == 0:
+                    log(stage, f"time budget {tc.time_budget_min:g} min at {pace.item():.2f} s/step: "
+                               f"{plan.steps} steps (at most {tc.steps})")
+                    mlflow.log_metric("train/planned_steps", plan.steps, step=done)
+        if done % tc.log_every == 0 or done % tc.checkpoint_every == 0 or done == plan.steps:
             stats = torch.tensor([sum(losses) / len(losses), seq_tokens, blocks], dtype=torch.float64)
             if world > 1:
                 torch.distributed.all_reduce(stats)
@@ -275,10 +308,11 @@ def train_func(config: dict) -> None:
             metrics = {"train/loss": stats[0].item() / world, "train/lr": scheduler.get_last_lr()[0],
                        "train/seq_tokens_per_s": stats[1].item() / dt, "train/blocks_per_s": stats[2].item() / dt}
             if rank == 0:
-                log(stage, f"step {done}/{tc.steps} loss {metrics['train/loss']:.3f} lr {metrics['train/lr']:.2e} "
+                log(stage, f"step {done}/{plan.steps} loss {metrics['train/loss']:.3f} lr {metrics['train/lr']:.2e} "
                            f"{metrics['train/seq_tokens_per_s']:.0f} seq tok/s {metrics['train/blocks_per_s']:.1f} blocks/s")
-            report(metrics, done, save=done % tc.checkpoint_every == 0 or done == tc.steps)
+            report(metrics, done, save=done % tc.checkpoint_every == 0 or done == plan.steps)
             t_window, seq_tokens, blocks, losses = time.perf_counter(), 0, 0, []
+        step = done
 
     train_seconds = time.perf_counter() - t_run
     if world > 1:
@@ -288,15 +322,15 @@ def train_func(config: dict) -> None:
     engine.module.eval()
     final = {f"eval/{k}": v for k, v in _evaluate(engine.module, target, val_rows, tc, rank, world, device).items()}
     if rank == 0:
-        info = {"stage": stage, "steps": tc.steps, "eval": final, "run_key": config["run_key"],
+        info = {"stage": stage, "steps": plan.steps, "eval": final, "run_key": config["run_key"],
                 "train_seconds": train_seconds, **throughput}
-        mlflow.log_metrics(throughput, step=tc.steps)
+        mlflow.log_metrics(throughput, step=plan.steps)
         folder = save_drafter(engine.module, cfg.drafter_dir(stage), lm.name, weights_fingerprint(target), info)
-        mlflow.log_metrics({k: float(v) for k, v in final.items()}, step=tc.steps)
+        mlflow.log_metrics({k: float(v) for k, v in final.items()}, step=plan.steps)
         mlflow.log_artifacts(str(folder), artifact_path=f"drafter-{stage}")
         mlflow.set_tag("drafter_path", str(folder))
         mlflow.end_run()
-    ray.train.report({**final, "step": tc.steps})
+    ray.train.report({**final, "step": plan.steps})
 
 
 def preflight(cfg: PipelineConfig, stage: str) -> dict[str, list[Path]]:

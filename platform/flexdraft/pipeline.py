@@ -14,7 +14,9 @@ from flexdraft.errors import FlexDraftError
 
 @dataclass
 class DistillConfig:
-    num_prompts: int = 1200  # ShareGPT first turns answered by the target (train + validation)
+    # ShareGPT first turns answered by the target (train + validation): 600 train sequences are about what the
+    # default's 2 workers see in its attention budget on the Intel dev machine (~240 steps), ~7 min to distill there
+    num_prompts: int = 640
     validation_prompts: int = 40
     min_prompt_tokens: int = 8
     max_prompt_tokens: int = 160
@@ -29,7 +31,11 @@ class DistillConfig:
 class TrainConfig:
     # Many small steps beat few large ones at equal compute (measured, SmolLM2 k=12, 6 CPU-minutes: 185 steps
     # of 1 sequence x 16 blocks reach the validation tau that 100 steps of 4 x 40 reached in 36 CPU-minutes)
-    steps: int = 1500  # optimizer steps (each worker: batch_size sequences per step)
+    steps: int = 1500  # optimizer steps (each worker: batch_size sequences per step); with a time budget, the most
+    # time_budget_min: minutes of training steps (start-up and evaluation not counted); 0 = none. A budgeted run times its steps
+    # 3-10, then fixes its step count to what fits (at least 10, at most `steps`) and keeps it in its checkpoints:
+    # the LR schedule ends where the run ends, and a resumed run ends where the first attempt would have
+    time_budget_min: float = 0.0
     batch_size: int = 1  # sequences per worker per step
     anchors_per_seq: int = 16  # blocks per sequence per step
     max_seq_len: int = 384  # sequences are cut to this many tokens
@@ -52,6 +58,8 @@ class TrainConfig:
                     "eval_anchors"):
             if getattr(self, key) < 1:
                 raise FlexDraftError(f"config.{where}.{key} must be >= 1, got {getattr(self, key)}")
+        if self.time_budget_min < 0:
+            raise FlexDraftError(f"config.{where}.time_budget_min must be >= 0 (0 = none), got {self.time_budget_min}")
         if self.loss not in ("ce", "kl"):
             raise FlexDraftError(f"config.{where}.loss must be ce or kl, got {self.loss!r}")
         if self.zero_stage not in (0, 1, 2, 3):
@@ -83,8 +91,10 @@ class PipelineConfig:
     model: str = "smollm2"  # 'smollm2' (bundled), a .gguf file or a HF folder
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
-    attention: TrainConfig = field(default_factory=TrainConfig)
-    calibration: TrainConfig = field(default_factory=lambda: TrainConfig(steps=200, checkpoint_every=100, log_every=50))
+    # time budgets sized for ~30 min end to end on the 2-core dev machine (distill, start-up and evaluations included)
+    attention: TrainConfig = field(default_factory=lambda: TrainConfig(time_budget_min=12.0))
+    calibration: TrainConfig = field(default_factory=lambda: TrainConfig(steps=200, time_budget_min=3.0,
+                                                                         checkpoint_every=100, log_every=50))
     workers: WorkersConfig = field(default_factory=WorkersConfig)
     mlflow_experiment: str = "flexdraft-training"
 
