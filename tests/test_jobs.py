@@ -48,8 +48,8 @@ def tiny_pipeline(tmp_path_factory):
            "drafter": {"k": 2, "block_size": 4},
            "distill": {"num_prompts": 24, "validation_prompts": 4},
            "attention": {"steps": 6, "anchors_per_seq": 8, "checkpoint_every": 3, "log_every": 3, "eval_sequences": 4},
-           "calibration": {"steps": 4, "anchors_per_seq": 8, "checkpoint_every": 2, "log_every": 2,
-                           "eval_sequences": 4}}
+           "calibration": {"steps": 1000, "time_budget_min": 0.25, "anchors_per_seq": 8, "checkpoint_every": 4,
+                           "log_every": 4, "eval_sequences": 4}}
     cfg = from_dict(PipelineConfig, raw)
     data = cfg.distill_dir()
     data.mkdir(parents=True)
@@ -71,8 +71,9 @@ def mlflow_history(uri: str, run_id: str, key: str) -> list[int]:
 
 def test_attention_then_calibration_with_a_failure_resume_exactly(ray_head, tiny_pipeline, mlflow_uri):
     """Attention tuning (2 workers, ZeRO-2) writes checkpoints, a drafter and an MLflow run with before/after
-    agreement; calibration, killed by a worker error right after its step-2 checkpoint, restarts from it and
-    ends at step 4 having logged steps 2 and 4 once each (nothing repeated, nothing lost)."""
+    agreement; calibration (a 15 s budget: its step count is fixed at step 10), killed by a worker error right
+    after its step-12 checkpoint, restarts from it with the count it fixed (never fixed again) and ends there,
+    having logged every 4th step once (nothing repeated, nothing lost)."""
     from flexdraft.jobs import run_stage
 
     cfg, _, _ = tiny_pipeline
@@ -84,11 +85,17 @@ def test_attention_then_calibration_with_a_failure_resume_exactly(ray_head, tiny
 
     from flexdraft.jobs import run_training
 
-    meta = run_training(cfg, "calibration", fail_at_step=2)
+    meta = run_training(cfg, "calibration", fail_at_step=12)
     assert (cfg.root / f"calibration-{meta['run_key']}.failed-once").is_file()  # the failure did happen
     run_id = (cfg.root / f"calibration-{meta['run_key']}.mlflow-run").read_text()
-    assert mlflow_history(mlflow_uri, run_id, "train/loss") == [2, 4]
-    assert meta["steps"] == 4 and (cfg.root / "drafter" / "drafter.safetensors").is_file()
+    from mlflow.tracking import MlflowClient
+
+    fixed = MlflowClient(mlflow_uri).get_metric_history(run_id, "train/planned_steps")
+    assert [m.step for m in fixed] == [10]  # by the first attempt only
+    steps = int(fixed[0].value)
+    assert 12 < steps <= 1000 and meta["steps"] == steps
+    assert mlflow_history(mlflow_uri, run_id, "train/loss") == sorted({*range(4, steps + 1, 4), steps})
+    assert (cfg.root / "drafter" / "drafter.safetensors").is_file()
     # a re-run with the same config reuses the result instead of training again
     assert run_stage(cfg, "calibration")["run_key"] == meta["run_key"]
 

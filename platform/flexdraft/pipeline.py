@@ -15,7 +15,7 @@ from flexdraft.errors import FlexDraftError
 @dataclass
 class DistillConfig:
     # ShareGPT first turns answered by the target (train + validation): 600 train sequences are about what the
-    # default's 2 workers see in its attention budget on the Intel dev machine (~240 steps), ~7 min to distill there
+    # default's 2 workers see in its attention budget on the Intel dev machine (314 steps), 6.9 min to distill there
     num_prompts: int = 640
     validation_prompts: int = 40
     min_prompt_tokens: int = 8
@@ -32,9 +32,9 @@ class TrainConfig:
     # Many small steps beat few large ones at equal compute (measured, SmolLM2 k=12, 6 CPU-minutes: 185 steps
     # of 1 sequence x 16 blocks reach the validation tau that 100 steps of 4 x 40 reached in 36 CPU-minutes)
     steps: int = 1500  # optimizer steps (each worker: batch_size sequences per step); with a time budget, the most
-    # time_budget_min: minutes of training steps (start-up and evaluation not counted); 0 = none. A budgeted run times its steps
-    # 3-10, then fixes its step count to what fits (at least 10, at most `steps`) and keeps it in its checkpoints:
-    # the LR schedule ends where the run ends, and a resumed run ends where the first attempt would have
+    # minutes of training steps (start-up and evaluation not counted); 0 = none. A budgeted run times its steps
+    # 3-10, fixes its step count to what fits (at least 10, at most `steps`) and keeps it in its checkpoints: the
+    # LR schedule ends where the run ends, and a resumed run ends where the first attempt would have (StepPlan)
     time_budget_min: float = 0.0
     batch_size: int = 1  # sequences per worker per step
     anchors_per_seq: int = 16  # blocks per sequence per step
