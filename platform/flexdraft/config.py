@@ -102,10 +102,9 @@ def from_dict(cls, data: dict | None, where: str = ""):
         raise FlexDraftError(f"config{where}: expected a mapping, got {type(data).__name__}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    names = set(fields)
-    unknown = sorted(set(data) - names)
+    unknown = sorted(set(data) - fields.keys())
     if unknown:
-        raise FlexDraftError(f"config{where}: unknown key(s) {', '.join(unknown)} (allowed: {', '.join(sorted(names))})")
+        raise FlexDraftError(f"config{where}: unknown key(s) {', '.join(unknown)} (allowed: {', '.join(sorted(fields))})")
     kwargs = {}
     for key, value in data.items():
         hint = hints[key]
