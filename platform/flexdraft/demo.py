@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import time
 
-from flexdraft.harness import HarnessConfig, run_harness, summary_table
+from flexdraft.harness import HarnessConfig, noise_floor, run_harness, summary_table
 from flexdraft.pipeline import PipelineConfig
 from flexdraft.tracking import tracking_uri
 
 # A short run of the harness (5 min on the AMD dev machine, 21 min on the ~3x slower Intel one, profiles
 # included); `flexdraft bench` runs every method.
 DEMO_BENCH = dict(batch_sizes=[1, 4, 16], samples=4, max_new_tokens=48, profile=False,
-                  methods=["ar", "hf-generate", "hf-prompt-lookup", "lookup", "sequential", "tree", "parallel-pruned",
+                  methods=["ar", "ar-control", "hf-generate", "hf-prompt-lookup", "lookup", "sequential", "tree", "parallel-pruned",
                            "adaptive-drafter", "adaptive-no-store", "adaptive"])
 
 
@@ -41,7 +41,7 @@ def run_demo(pipeline: PipelineConfig | None = None, bench: HarnessConfig | None
     t = time.perf_counter()
     results = run_harness(bench)
     times["benchmark"] = time.perf_counter() - t
-    print("\n" + summary_table(results), flush=True)
+    print("\n" + summary_table(results) + "\n\n" + noise_floor(results["rows"]), flush=True)
     print("\n=== done in " + f"{(time.perf_counter() - t_start) / 60:.1f} min (" +
           ", ".join(f"{k} {v / 60:.1f}" for k, v in times.items()) + ")\n"
           f"    drafter:   {cfg.drafter_dir('calibration')}\n"

@@ -3,9 +3,9 @@ in the same run, every FlexDraft output checked against our AR, results as Markd
 
 Methods (`METHODS`): our AR (the reference), `transformers` generate and prompt-lookup decoding on the same
 weights, and the engine's modes, three of which form the ablation (attention tuning only -> + calibration ->
-+ selective verification). The engine methods decode in lockstep, one step of each in turn, so this noisy
-machine's bursts hit all alike; the `transformers` methods run whole `generate` calls after them in every
-repeat. Timing excludes model loading and includes prefill; every cell is warmed up first; a cell's time is
++ selective verification). The engine methods decode in lockstep, one step of each in turn (each round starting
+one engine later), so this noisy machine's bursts hit all alike, and `ar-control`, our AR a second time, measures
+the noise that is left; the `transformers` methods run whole `generate` calls after them in every repeat. Timing excludes model loading and includes prefill; every cell is warmed up first; a cell's time is
 the median over repeats.
 """
 from __future__ import annotations
@@ -39,6 +39,8 @@ class Method:
 
 METHODS = {
     "ar": Method("engine", (("mode", "ar"),), "our batched AR: the reference for speed-ups and correctness"),
+    "ar-control": Method("engine", (("mode", "ar"),), "a second copy of our AR in the same lockstep: the same work, "
+                         "so its ratio to `ar` is the run's noise floor"),
     "hf-generate": Method("hf", (), "transformers generate, greedy, static batches"),
     "hf-prompt-lookup": Method("hf-lookup", (), "transformers prompt-lookup decoding (batch 1 only)"),
     "sequential": Method("engine", (("mode", "sequential"),), "draft after verify, slot 0 = known bonus"),
@@ -59,7 +61,7 @@ METHODS = {
     "adaptive": Method("engine", (("mode", "adaptive"),),
                        "the product: AR / sequential / tree / parallel / lookup (prompt + store) per step by cost"),
 }
-SPECULATIVE = [m for m, spec in METHODS.items() if spec.kind == "engine" and m != "ar"]
+SPECULATIVE = [m for m, spec in METHODS.items() if spec.kind == "engine" and spec.engine != (("mode", "ar"),)]
 
 
 @dataclass
@@ -150,15 +152,18 @@ def _engines(lm, choice, store, cfg: HarnessConfig, batch: int, max_len: int) ->
 
 
 def lockstep(engines: dict[str, Engine], prompts: list[list[int]], params: SamplingParams) -> dict[str, dict]:
-    """Decode the same prompts with every engine, one step of each in turn, timing each engine's steps only.
+    """Decode the same prompts with every engine, one step of each in turn, timing each engine's steps only. Each
+    round starts one engine later than the one before, so no engine always runs first or right after the same other.
     -> per engine: outputs, seconds, forward seconds by kind, steps per plan (mode/B<drafts>/m<branches>),
     steps per mode, accepted drafts per verified row, and per draft position j how often it was verified
     after j-1 accepted drafts and accepted."""
     ids = {name: [e.add_request(p, params) for p in prompts] for name, e in engines.items()}
     res = {name: {"seconds": 0.0, "forward": {}, "plans": {}, "modes": {}, "accepted": [],
                   "reached": [0] * (e.B + 1), "taken": [0] * (e.B + 1)} for name, e in engines.items()}
+    order, start = list(engines), 0
     while any(e.has_work() for e in engines.values()):
-        for name, engine in engines.items():
+        for name in order[start:] + order[:start]:
+            engine = engines[name]
             if not engine.has_work():
                 continue
             t0 = time.perf_counter()
@@ -177,6 +182,7 @@ def lockstep(engines: dict[str, Engine], prompts: list[list[int]], params: Sampl
                         break
                     r["reached"][j] += 1
                     r["taken"][j] += a >= j
+        start = (start + 1) % len(order)
     for name, engine in engines.items():
         gens = [engine.result(i) for i in ids[name]]
         forwards = sum(g.extra["forwards"] for g in gens)  # target forwards after each row's prefill
@@ -348,6 +354,8 @@ def run_harness(cfg: HarnessConfig, log=print) -> dict:
         mlflow.log_metrics({f"mean_speedup_ar.{m}.b{b}": v for m, per in results["summary"].items()
                             for b, v in per.items()})
         mlflow.log_artifacts(str(out))
+        if noise_floor(rows):
+            log(f"[bench] {noise_floor(rows)}")
         log(f"[bench] done in {results['seconds']:.0f}s: {out}/results.md, results.json, plots; MLflow run "
             f"{run.info.run_id} (experiment {cfg.mlflow_experiment})")
     return results
@@ -362,6 +370,16 @@ def summary(rows: list[dict]) -> dict[str, dict[int, float]]:
     return {m: {b: statistics.mean(v) for b, v in per.items()} for m, per in acc.items()}
 
 
+def noise_floor(rows: list[dict]) -> str:
+    """What `ar-control` (the same work as `ar`, in the same lockstep) measured against `ar`, as a sentence."""
+    ratios = [r["speedup_ar"] for r in rows if r["method"] == "ar-control" and "skipped" not in r]
+    if not ratios:
+        return ""
+    return (f"Noise floor: `ar-control`, our AR again on the same prompts, measured {min(ratios):.2f}-"
+            f"{max(ratios):.2f}x of `ar` over {len(ratios)} cell(s) (mean {statistics.mean(ratios):.2f}x): read "
+            "differences between methods within that range as this machine's noise, not as a speed-up or loss.")
+
+
 def _modes(row: dict) -> str:
     return " ".join(f"{k} {v:.0%}" for k, v in sorted(row.get("mode_share", {}).items(), key=lambda kv: -kv[1]))
 
@@ -370,7 +388,7 @@ def _line(r: dict) -> str:
     if "skipped" in r:
         return f"{r['method']:>22}: skipped ({r['skipped']})"
     hf = f", x{r['speedup_hf']:.2f} over transformers" if r.get("speedup_hf") else ""
-    extra = f", steps {_modes(r)}" if r["method"] != "ar" and "mode_share" in r else ""
+    extra = f", steps {_modes(r)}" if r["method"] in SPECULATIVE else ""
     extra += f", pruned misses {r['pruned_misses']:.0%}" if "parallel" in r.get("mode_share", {}) else ""
     return (f"{r['method']:>22}: {r['tok_s']:7.1f} tok/s, x{r['speedup_ar']:.2f} over AR{hf}, tau {r['tau']:.2f}, "
             f"mismatched rows {_mismatched(r)}{extra}")
@@ -411,6 +429,8 @@ def report(results: dict) -> str:
         lines.append("* Not run, nothing substituted: " + "; ".join(f"{d} ({why})" for d, why in
                                                                     results["unavailable"].items()) + ".")
     lines += ["", summary_table(results), ""]
+    if noise_floor(results["rows"]):
+        lines += [noise_floor(results["rows"]), ""]
     cells = []
     for r in results["rows"]:
         if "skipped" in r:
@@ -418,7 +438,7 @@ def report(results: dict) -> str:
         acc = " ".join(f"{a:.2f}" for a in (r.get("acceptance") or [])[:4] if a is not None)
         cells.append([r["dataset"], r["batch"], r["method"], f"{r['tok_s']:.1f}", f"{r['speedup_ar']:.2f}x",
                       f"{r['speedup_hf']:.2f}x" if r.get("speedup_hf") else "n/a", f"{r['tau']:.2f}",
-                      _mismatched(r), acc, _modes(r) if r["method"] != "ar" else "",
+                      _mismatched(r), acc, _modes(r) if r["method"] in SPECULATIVE else "",
                       f"{r['pruned_misses']:.0%}" if "parallel" in r.get("mode_share", {}) else ""])
     lines.append(markdown("**Per dataset and batch size** (acceptance: P(draft j accepted | drafts before it accepted), "
                           "j = 1..4; steps: share of engine steps per mode)",
@@ -444,7 +464,8 @@ def plot(results: dict, out: Path) -> list[Path]:
     for ax, d in zip(axes[0], datasets):
         for m in methods:
             pts = sorted((r["batch"], r["speedup_ar"]) for r in rows if r["dataset"] == d and r["method"] == m)
-            ax.plot(*zip(*pts), marker="o", label=m, linestyle="--" if m.startswith("hf") else "-")
+            style = ":" if m == "ar-control" else "--" if m.startswith("hf") else "-"
+            ax.plot(*zip(*pts), marker="o", label=m, linestyle=style)
         ax.axhline(1.0, color="grey", linewidth=0.8)
         ax.set_xscale("log", base=2)
         ax.set_xticks(results["config"]["batch_sizes"], [str(b) for b in results["config"]["batch_sizes"]])
