@@ -94,7 +94,7 @@ def test_harness_run_is_lossless_and_complete(tmp_path, mlflow_uri, real_folder)
     assert saved["unavailable"].keys() == {"math"} and saved["summary"]["ar"] == {"1": 1.0, "2": 1.0}
     md = (out / "results.md").read_text()
     assert "math (MATH" in md and "| mt-bench | 2 | adaptive |" in md and "One step, profiled" in md
-    assert "Noise floor: `ar-control`" in md and "over 2 cell(s)" in md
+    assert "Noise floor: `ar-control`" in md and "over 2 cell(s)" in md and "float32 (sdpa attention)" in md
     for png in ("speedup_vs_batch.png", "tau_hist.png", "acceptance.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
     run = mlflow.search_runs(experiment_names=["flexdraft-bench"], output_format="list")[0]

@@ -54,6 +54,8 @@ def test_config_from_dict_nested_and_strict():
 def test_runtime_refuses_fp16_on_cpu_and_unknown_device():
     with pytest.raises(FlexDraftError, match="float16 is GPU-only"):
         RuntimeConfig(device="cpu", dtype="float16").torch_dtype()
+    with pytest.raises(FlexDraftError, match="cpu_attention must be auto, sdpa or math, got 'flash'"):
+        RuntimeConfig(device="cpu", cpu_attention="flash").apply()
     assert RuntimeConfig(device="cpu").torch_dtype().is_floating_point
 
 

@@ -47,6 +47,9 @@ class RuntimeConfig:
     # dev machine: 2 threads beat 1 by 10-35% (bench-ar); processes sharing the cores (Ray workers) set 1.
     threads: int = 0
     cpu_prepack: bool = True  # oneDNN-prepacked linear weights on CPU (inference; 1.5-2x faster GEMMs)
+    # attention kernel for bf16/fp16 on CPU: sdpa, math (explicit matmuls), or auto = whichever a micro-benchmark
+    # at load time finds faster on this CPU (models.transformer.cpu_attention_kernel); fp32 and CUDA use SDPA
+    cpu_attention: str = "auto"
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":
@@ -67,6 +70,8 @@ class RuntimeConfig:
     def apply(self) -> None:
         if self.threads < 0:
             raise FlexDraftError(f"threads must be >= 0 (0 = one per core), got {self.threads}")
+        if self.cpu_attention not in ("auto", "sdpa", "math"):
+            raise FlexDraftError(f"cpu_attention must be auto, sdpa or math, got {self.cpu_attention!r}")
         if self.torch_device().type == "cpu":
             torch.set_num_threads(self.threads or len(os.sched_getaffinity(0)))
 

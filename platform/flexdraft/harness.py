@@ -4,9 +4,10 @@ in the same run, every FlexDraft output checked against our AR, results as Markd
 Methods (`METHODS`): our AR (the reference), `transformers` generate and prompt-lookup decoding on the same
 weights, and the engine's modes, three of which form the ablation (attention tuning only -> + calibration ->
 + selective verification). The engine methods decode in lockstep, one step of each in turn (each round starting
-one engine later), so this noisy machine's bursts hit all alike, and `ar-control`, our AR a second time, measures
-the noise that is left; the `transformers` methods run whole `generate` calls after them in every repeat. Timing excludes model loading and includes prefill; every cell is warmed up first; a cell's time is
-the median over repeats.
+one engine later), so this noisy machine's bursts hit all alike, and `ar-control`, our AR a second time,
+measures the noise that is left; the `transformers` methods run whole `generate` calls after them in every
+repeat. Timing excludes model loading and includes prefill; every cell is warmed up first; a cell's time is the
+median over repeats.
 """
 from __future__ import annotations
 
@@ -343,7 +344,8 @@ def run_harness(cfg: HarnessConfig, log=print) -> dict:
             if cfg.profile and "parallel-pruned" in cfg.methods else ""
         results = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                    "git_commit": git_commit(), "hardware": hardware(), "config": asdict(cfg),
-                   "device": str(lm.model.device), "drafter": choice.source, "drafter_eval": choice.prior,
+                   "device": str(lm.model.device), "attention": "math" if lm.model.math_attention else "sdpa",
+                   "drafter": choice.source, "drafter_eval": choice.prior,
                    "store": store_source,
                    "unavailable": unavailable, "seconds": time.perf_counter() - t_start, "output_dir": str(out),
                    "summary": summary(rows), "rows": rows}
@@ -411,7 +413,8 @@ def report(results: dict) -> str:
     decoding = sampled if cfg["temperature"] else "greedy"
     lines = [f"# FlexDraft benchmark, {results['date']}", "",
              f"* Machine: {hw.get('gpu') or hw['cpu']} ({hw['cpu_count']} CPUs, {hw['torch_threads']} torch threads), "
-             f"{results['device']}, {cfg['dtype']}; model {cfg['model']}; drafter {results['drafter'] or 'none'}; "
+             f"{results['device']}, {cfg['dtype']} ({results['attention']} attention); model {cfg['model']}; "
+             f"drafter {results['drafter'] or 'none'}; "
              f"n-gram store {results.get('store') or 'none'}; commit {results['git_commit']}.",
              f"* Prompts: a seeded sample (seed {cfg['seed']}) of max({cfg['samples']}, batch) per dataset and batch "
              f"size, chat template, {decoding}, up to {cfg['max_new_tokens']} new tokens, EOS respected; MT-Bench's "

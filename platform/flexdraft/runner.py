@@ -20,7 +20,7 @@ from flexdraft.models.loading import LoadedModel, load_model
 from flexdraft.pipeline import PipelineConfig
 
 
-PROFILE_FORMAT = 13  # bump when Engine.profile measures other shapes or passes, or forwards get faster: cached profiles are redone
+PROFILE_FORMAT = 14  # bump when Engine.profile measures other shapes or passes, or forwards get faster: cached profiles are redone
 
 
 def default_drafter_dir() -> Path:
@@ -74,8 +74,8 @@ def resolve_store(spec: str | None, model: str, vocab_size: int) -> tuple[NgramS
 def profile_file(target, drafter: Drafter, cfg: EngineConfig) -> Path:
     """The cached cost profile of this model, drafter shape, device, dtype, threads and batch size."""
     key = json.dumps([PROFILE_FORMAT, weights_fingerprint(target), asdict(drafter.config), str(target.device),
-                      str(target.dtype), torch.get_num_threads(), cfg.max_batch, cfg.switch_batch, cfg.block_size,
-                      cfg.tree_nodes], sort_keys=True)
+                      str(target.dtype), target.math_attention, torch.get_num_threads(), cfg.max_batch,
+                      cfg.switch_batch, cfg.block_size, cfg.tree_nodes], sort_keys=True)
     return data_dir() / "profiles" / (hashlib.sha256(key.encode()).hexdigest()[:12] + ".json")
 
 

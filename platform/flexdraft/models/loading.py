@@ -154,6 +154,7 @@ def load_model(source: str | Path = BUNDLED, runtime: RuntimeConfig | None = Non
     if args.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model = model.requires_grad_(False).to_runtime(runtime.torch_device(), runtime.torch_dtype(),
-                                                   prepack=runtime.cpu_prepack).eval()
+                                                   prepack=runtime.cpu_prepack,
+                                                   attention=runtime.cpu_attention).eval()
     tokenizer = load_tokenizer(folder) if with_tokenizer else None
     return LoadedModel(model=model, tokenizer=tokenizer, folder=folder, name=str(source))
