@@ -3,8 +3,8 @@ in the same run, every FlexDraft output checked against our AR, results as Markd
 
 Methods (`METHODS`): our AR (the reference), `transformers` generate and prompt-lookup decoding on the same
 weights, and the engine's modes, three of which form the ablation (attention tuning only -> + calibration ->
-+ selective verification). The engine methods decode in lockstep, one step of each in turn (each round starting
-one engine later), so this noisy machine's bursts hit all alike, and `ar-control`, our AR a second time,
++ selective verification). The engine methods decode in lockstep, one step of each in turn (in a new random order
+each round), so this noisy machine's bursts hit all alike, and `ar-control`, our AR a second time,
 measures the noise that is left; the `transformers` methods run whole `generate` calls after them in every
 repeat. Timing excludes model loading and includes prefill; every cell is warmed up first; a cell's time is the
 median over repeats.
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import random
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -154,16 +155,18 @@ def _engines(lm, choice, store, cfg: HarnessConfig, batch: int, max_len: int) ->
 
 def lockstep(engines: dict[str, Engine], prompts: list[list[int]], params: SamplingParams) -> dict[str, dict]:
     """Decode the same prompts with every engine, one step of each in turn, timing each engine's steps only. Each
-    round starts one engine later than the one before, so no engine always runs first or right after the same other.
+    round runs the engines in a new (seeded) random order, so none always runs first or right after the same other
+    (a cyclic order kept `ar-control` right after `ar` in every round).
     -> per engine: outputs, seconds, forward seconds by kind, steps per plan (mode/B<drafts>/m<branches>),
     steps per mode, accepted drafts per verified row, and per draft position j how often it was verified
     after j-1 accepted drafts and accepted."""
     ids = {name: [e.add_request(p, params) for p in prompts] for name, e in engines.items()}
     res = {name: {"seconds": 0.0, "forward": {}, "plans": {}, "modes": {}, "accepted": [],
                   "reached": [0] * (e.B + 1), "taken": [0] * (e.B + 1)} for name, e in engines.items()}
-    order, start = list(engines), 0
+    order, rng = list(engines), random.Random(0)
     while any(e.has_work() for e in engines.values()):
-        for name in order[start:] + order[:start]:
+        rng.shuffle(order)
+        for name in order:
             engine = engines[name]
             if not engine.has_work():
                 continue
@@ -183,7 +186,6 @@ def lockstep(engines: dict[str, Engine], prompts: list[list[int]], params: Sampl
                         break
                     r["reached"][j] += 1
                     r["taken"][j] += a >= j
-        start = (start + 1) % len(order)
     for name, engine in engines.items():
         gens = [engine.result(i) for i in ids[name]]
         forwards = sum(g.extra["forwards"] for g in gens)  # target forwards after each row's prefill
