@@ -13,10 +13,10 @@ from flexdraft.pipeline import PipelineConfig
 from flexdraft.tracking import tracking_uri
 
 # A short run of the harness (5 min on the AMD dev machine, 21 min on the ~3x slower Intel one, profiles
-# included); `flexdraft bench` runs every method.
+# included, both before ar-control joined); `flexdraft bench` runs every method.
 DEMO_BENCH = dict(batch_sizes=[1, 4, 16], samples=4, max_new_tokens=48, profile=False,
-                  methods=["ar", "ar-control", "hf-generate", "hf-prompt-lookup", "lookup", "sequential", "tree", "parallel-pruned",
-                           "adaptive-drafter", "adaptive-no-store", "adaptive"])
+                  methods=["ar", "ar-control", "hf-generate", "hf-prompt-lookup", "lookup", "sequential", "tree",
+                           "parallel-pruned", "adaptive-drafter", "adaptive-no-store", "adaptive"])
 
 
 def run_demo(pipeline: PipelineConfig | None = None, bench: HarnessConfig | None = None) -> dict:
