@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 
-from flexdraft.harness import HarnessConfig, noise_floor, run_harness, summary_table
+from flexdraft.harness import HarnessConfig, run_harness, summary_table
 from flexdraft.pipeline import PipelineConfig
 from flexdraft.tracking import tracking_uri
 
@@ -41,7 +41,7 @@ def run_demo(pipeline: PipelineConfig | None = None, bench: HarnessConfig | None
     t = time.perf_counter()
     results = run_harness(bench)
     times["benchmark"] = time.perf_counter() - t
-    print("\n" + summary_table(results) + "\n\n" + noise_floor(results["rows"]), flush=True)
+    print("\n" + summary_table(results) + "\n\n" + results["noise_floor"], flush=True)
     print("\n=== done in " + f"{(time.perf_counter() - t_start) / 60:.1f} min (" +
           ", ".join(f"{k} {v / 60:.1f}" for k, v in times.items()) + ")\n"
           f"    drafter:   {cfg.drafter_dir('calibration')}\n"

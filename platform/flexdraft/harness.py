@@ -350,7 +350,7 @@ def run_harness(cfg: HarnessConfig, log=print) -> dict:
                    "drafter": choice.source, "drafter_eval": choice.prior,
                    "store": store_source,
                    "unavailable": unavailable, "seconds": time.perf_counter() - t_start, "output_dir": str(out),
-                   "summary": summary(rows), "rows": rows}
+                   "summary": summary(rows), "noise_floor": noise_floor(rows), "rows": rows}
         (out / "results.json").write_text(json.dumps(results, indent=1))
         (out / "results.md").write_text(report(results) + (f"\n\n## One step, profiled\n\n```\n{profile}\n```\n"
                                                             if profile else ""))
@@ -358,8 +358,8 @@ def run_harness(cfg: HarnessConfig, log=print) -> dict:
         mlflow.log_metrics({f"mean_speedup_ar.{m}.b{b}": v for m, per in results["summary"].items()
                             for b, v in per.items()})
         mlflow.log_artifacts(str(out))
-        if noise_floor(rows):
-            log(f"[bench] {noise_floor(rows)}")
+        if results["noise_floor"]:
+            log(f"[bench] {results['noise_floor']}")
         log(f"[bench] done in {results['seconds']:.0f}s: {out}/results.md, results.json, plots; MLflow run "
             f"{run.info.run_id} (experiment {cfg.mlflow_experiment})")
     return results
@@ -434,8 +434,8 @@ def report(results: dict) -> str:
         lines.append("* Not run, nothing substituted: " + "; ".join(f"{d} ({why})" for d, why in
                                                                     results["unavailable"].items()) + ".")
     lines += ["", summary_table(results), ""]
-    if noise_floor(results["rows"]):
-        lines += [noise_floor(results["rows"]), ""]
+    if results["noise_floor"]:
+        lines += [results["noise_floor"], ""]
     cells = []
     for r in results["rows"]:
         if "skipped" in r:
