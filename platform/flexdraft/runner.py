@@ -20,7 +20,7 @@ from flexdraft.models.loading import LoadedModel, load_model
 from flexdraft.pipeline import PipelineConfig
 
 
-PROFILE_FORMAT = 14  # bump when Engine.profile measures other shapes or passes, or forwards get faster: cached profiles are redone
+PROFILE_FORMAT = 15  # bump when Engine.profile measures other shapes or passes, or forwards get faster: cached profiles are redone
 
 
 def default_drafter_dir() -> Path:
