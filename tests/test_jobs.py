@@ -63,10 +63,12 @@ def tiny_pipeline(tmp_path_factory):
     return cfg, raw, root
 
 
-def mlflow_history(uri: str, run_id: str, key: str) -> list[int]:
+def mlflow_history(uri: str, run_id: str, key: str, values: bool = False) -> list:
+    """The steps at which a run logged metric `key`, in order; values: (step, value) pairs instead."""
     from mlflow.tracking import MlflowClient
 
-    return sorted(m.step for m in MlflowClient(uri).get_metric_history(run_id, key))
+    history = sorted(MlflowClient(uri).get_metric_history(run_id, key), key=lambda m: m.step)
+    return [(m.step, m.value) for m in history] if values else [m.step for m in history]
 
 
 def test_attention_then_calibration_with_a_failure_resume_exactly(ray_head, tiny_pipeline, mlflow_uri):
@@ -88,11 +90,9 @@ def test_attention_then_calibration_with_a_failure_resume_exactly(ray_head, tiny
     meta = run_training(cfg, "calibration", fail_at_step=12)
     assert (cfg.root / f"calibration-{meta['run_key']}.failed-once").is_file()  # the failure did happen
     run_id = (cfg.root / f"calibration-{meta['run_key']}.mlflow-run").read_text()
-    from mlflow.tracking import MlflowClient
-
-    fixed = MlflowClient(mlflow_uri).get_metric_history(run_id, "train/planned_steps")
-    assert [m.step for m in fixed] == [10]  # by the first attempt only
-    steps = int(fixed[0].value)
+    fixed = mlflow_history(mlflow_uri, run_id, "train/planned_steps", values=True)
+    assert [step for step, _ in fixed] == [10]  # by the first attempt only
+    steps = int(fixed[0][1])
     assert 12 < steps <= 1000 and meta["steps"] == steps
     assert mlflow_history(mlflow_uri, run_id, "train/loss") == sorted({*range(4, steps + 1, 4), steps})
     assert (cfg.root / "drafter" / "drafter.safetensors").is_file()
