@@ -24,6 +24,13 @@ def tiny(tmp_path_factory):
     return load_model(folder, CPU32, with_tokenizer=False).model
 
 
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny_llama")
+    make_tiny_hf("llama", folder)  # no q/k norm: paired projectors pick each slot's half before rope
+    return load_model(folder, CPU32, with_tokenizer=False).model
+
+
 def sequences(vocab: int, R: int = 2, T: int = 40, seed: int = 0) -> Sequences:
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(3, vocab, (R, T), generator=g)
@@ -67,11 +74,14 @@ def test_init_copy_drafter_reproduces_target_on_true_tokens(tiny, tuned_attentio
 
 @torch.no_grad()
 @pytest.mark.parametrize("tuned_attention", ["causal", "bidirectional"])
-def test_known_bonus_drafts_the_targets_own_next_token(tiny, tuned_attention):
+@pytest.mark.parametrize("model", ["tiny", "tiny_llama"])
+def test_known_bonus_drafts_the_targets_own_next_token(request, model, tuned_attention):
     """A known bonus in slot 0 is a clean token: whatever the tuned projectors (randomised here), its final
     hidden state equals the target's at that position (fp32, 1e-5), so d_1 = the target's next token; the
     sequential engine path (blocks written in the cache) gives the same. A masked slot 0 does not. The
-    engine's paired projectors (one GEMM for the target's and the drafter's) change no slot (1e-6)."""
+    engine's paired projectors (one GEMM for the target's and the drafter's) change no slot (1e-6), with
+    q/k norms (Qwen3: each set's heads and rope apart) and without (Llama: each slot's half picked first)."""
+    tiny = request.getfixturevalue(model)
     torch.manual_seed(0)
     drafter = Drafter.from_target(tiny, DrafterConfig(k=2, block_size=4, tuned_attention=tuned_attention))
     for p in drafter.attn.parameters():
