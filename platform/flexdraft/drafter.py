@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -68,6 +69,16 @@ class CalibrationMLP(nn.Module):
         self.down = nn.Linear(hidden, dim)
         nn.init.zeros_(self.down.weight)
         nn.init.zeros_(self.down.bias)
+
+    @torch.no_grad()
+    def reset(self, seed: int = 0) -> None:
+        """The first layer's init as nn.Linear's own, but from a seeded generator: unseeded, two runs of one
+        config started calibration (and saved attention-stage drafters) from different weights."""
+        g = torch.Generator().manual_seed(seed)
+        w = nn.init.kaiming_uniform_(torch.empty(self.up.weight.shape), a=math.sqrt(5), generator=g)
+        bound = 1 / math.sqrt(w.shape[1])
+        self.up.weight.copy_(w)
+        self.up.bias.copy_(torch.empty(self.up.bias.shape).uniform_(-bound, bound, generator=g))
 
     def forward(self, bonus_embedding: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         # both halves RMS-normalised: SmolLM2's embeddings have RMS ~0.13 against ~1.8 for the final-normed
@@ -132,13 +143,15 @@ class Drafter(nn.Module):
 
     @classmethod
     def from_target(cls, target: Transformer, config: DrafterConfig) -> "Drafter":
-        """A fresh drafter: projectors copied from the target's, mask embedding = mean input embedding."""
+        """A fresh drafter: projectors copied from the target's, mask embedding = mean input embedding, the
+        calibration MLP seeded (a function of the target and config alone)."""
         drafter = cls(target.args, config).to(device=target.device, dtype=target.dtype)
         with torch.no_grad():
             for i, attn in enumerate(drafter.attn):
                 src = target.layers[drafter.first_tuned + i].self_attn.state_dict()
                 attn.load_state_dict({k: v.clone() for k, v in src.items()})
             drafter.mask_embedding.copy_(target.embed_tokens.weight.float().mean(0))
+        drafter.calibration.reset()
         return drafter
 
     def parameters_for(self, stage: str) -> list[nn.Parameter]:
