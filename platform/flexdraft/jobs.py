@@ -216,8 +216,9 @@ def train_func(config: dict) -> None:
     device = ray.train.torch.get_device()
     runtime = RuntimeConfig(device=str(device), dtype=tc.train_dtype(device.type),
                             threads=cfg.workers.threads_per_worker, cpu_prepack=False,
-                            # one kernel for every worker and restart; a training step measured the same with
-                            # either (Intel Xeon, bf16: SDPA 1.02x the time of math, 10 paired steps)
+                            # the block pass: one kernel for every worker and restart; a whole step on SDPA
+                            # measured 1.01-1.02x the time of math (Intel Xeon, bf16: its backward is slow);
+                            # the frozen target pass runs on SDPA all the same (training.target_pass)
                             cpu_attention="math")
     dtype = runtime.torch_dtype()
     lm = load_model(cfg.model, runtime, with_tokenizer=False)

@@ -41,11 +41,13 @@ def collate(rows: list[dict], device) -> Sequences:
 @torch.no_grad()
 def target_pass(target: Transformer, seqs: Sequences) -> tuple[KVCache, torch.Tensor]:
     """The frozen target over whole sequences -> (its KV cache, final hidden states [R, T, d]).
-    Padding sits after each row's tokens, so causal attention keeps it out of every real token."""
+    Padding sits after each row's tokens, so causal attention keeps it out of every real token.
+    On SDPA even where training pins the math path (no backward here, and SDPA's CPU forward is the faster:
+    a bf16 attention-tuning step took 0.93x the time with this pass on it, median of 13 paired steps)."""
     R, T = seqs.tokens.shape
     cache = target.new_cache(R, T)
     pos = torch.arange(T, device=seqs.tokens.device).expand(R, T)
-    h = target(seqs.tokens, pos, cache)
+    h = target(seqs.tokens, pos, cache, sdpa=True)
     cache.lens[:] = seqs.lens
     return cache, h
 

@@ -368,19 +368,20 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, pos: torch.Tensor, cache: KVCache,
                 mask: torch.Tensor | None = None, span: int | None = None,
-                slots: torch.Tensor | None = None) -> torch.Tensor:
+                slots: torch.Tensor | None = None, sdpa: bool = False) -> torch.Tensor:
         """tokens, pos [B, T] -> final-normed hidden states [B, T, d]; writes K/V at cache slots `slots`
         [B, T] (default: pos; a token tree puts siblings at one position in different slots).
 
         span: cache slots attended to (default: up to the largest position). mask [B, T, S]: True = visible;
-        default: slot <= the query's position (causal over the row's own prefix).
+        default: slot <= the query's position (causal over the row's own prefix). sdpa: this call on SDPA even
+        where the model takes the math path (`math_attention`).
         """
         if span is None:
             span = int(pos.max()) + 1
         if mask is None:
             mask = torch.arange(span, device=pos.device) <= pos[..., None]  # [B, T, S]
         mask = mask[:, None]  # [B, 1, T, S]: the same for every head
-        if self.math_attention:
+        if self.math_attention and not sdpa:
             mask = grouped_bias(mask, self.args.n_heads // self.args.n_kv_heads)  # once for all layers
         x = self.embed_tokens(tokens)
         cos, sin = self.rope(pos, x.dtype)
