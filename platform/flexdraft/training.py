@@ -42,8 +42,9 @@ def collate(rows: list[dict], device) -> Sequences:
 def target_pass(target: Transformer, seqs: Sequences) -> tuple[KVCache, torch.Tensor]:
     """The frozen target over whole sequences -> (its KV cache, final hidden states [R, T, d]).
     Padding sits after each row's tokens, so causal attention keeps it out of every real token.
-    On SDPA even where training pins the math path (no backward here, and SDPA's CPU forward is the faster:
-    a bf16 attention-tuning step took 0.93x the time with this pass on it, median of 13 paired steps)."""
+    Always on SDPA, even where training pins the math path for the block pass: this pass has no backward (SDPA's
+    slow part on CPU), and a fixed choice, unlike a timed one, is the same in every worker and restart. On the
+    Intel Xeon a bf16 attention-tuning step took 0.93x the time with it (median of 13 paired steps)."""
     R, T = seqs.tokens.shape
     cache = target.new_cache(R, T)
     pos = torch.arange(T, device=seqs.tokens.device).expand(R, T)
