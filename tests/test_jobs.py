@@ -130,8 +130,10 @@ def test_ray_job_submit_trains_exactly_the_drafter_of_the_resumed_run(ray_head, 
     """`ray job submit --working-dir . -- python jobs/attn_tuning.py --config ...` against `ray start --head`, of the
     tiny config, uninterrupted, ends with the very drafter (every tensor bitwise) of the run killed at step 4 and
     resumed from its step-3 checkpoint: a resume repeats and loses nothing, and a fresh drafter is seeded."""
+    from flexdraft.drafter import Drafter
+    from flexdraft.models.loading import load_model
+
     _, raw, _ = tiny_pipeline
-    meta, _ = resumed_attention
     cfg = dict(raw, output_dir=str(tmp_path / "out"))
     src = from_dict(PipelineConfig, raw)
     dst = from_dict(PipelineConfig, cfg).distill_dir()
@@ -148,13 +150,10 @@ def test_ray_job_submit_trains_exactly_the_drafter_of_the_resumed_run(ray_head, 
     assert "[attention] done" in proc.stdout and "step 6/6 loss" in proc.stdout
     assert "injected failure" not in proc.stdout + proc.stderr
     ours = drafter_tensors(tmp_path / "out" / "drafter-attention")
-    resumed = drafter_tensors(src.drafter_dir("attention"))
+    resumed = drafter_tensors(src.drafter_dir("attention"))  # written by the resumed_attention fixture
     assert ours.keys() == resumed.keys()
     for name, t in ours.items():  # calibration.up too: untrained here, it is equal only because it is seeded
         assert torch.equal(t, resumed[name]), name
-    from flexdraft.drafter import Drafter
-    from flexdraft.models.loading import load_model
-
     fresh = Drafter.from_target(load_model(src.model, with_tokenizer=False).model, src.drafter).state_dict()
     assert not torch.equal(ours["attn.1.q_proj.weight"], fresh["attn.1.q_proj.weight"])  # it did train
 
