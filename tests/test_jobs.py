@@ -87,12 +87,6 @@ def resumed_attention(ray_head, tiny_pipeline, tmp_path_factory):
     return meta, uri
 
 
-def drafter_tensors(folder: Path) -> dict:
-    from safetensors.torch import load_file
-
-    return load_file(str(folder / "drafter.safetensors"))
-
-
 def test_attention_then_calibration_with_failures_resume_exactly(resumed_attention, tiny_pipeline, monkeypatch,
                                                                   tmp_path):
     """Attention tuning killed at step 4 resumes from its step-3 checkpoint and logs each step once, with before/after
@@ -130,7 +124,7 @@ def test_ray_job_submit_trains_exactly_the_drafter_of_the_resumed_run(ray_head, 
     """`ray job submit --working-dir . -- python jobs/attn_tuning.py --config ...` against `ray start --head`, of the
     tiny config, uninterrupted, ends with the very drafter (every tensor bitwise) of the run killed at step 4 and
     resumed from its step-3 checkpoint: a resume repeats and loses nothing, and a fresh drafter is seeded."""
-    from flexdraft.drafter import Drafter
+    from flexdraft.drafter import Drafter, load_drafter
     from flexdraft.models.loading import load_model
 
     _, raw, _ = tiny_pipeline
@@ -149,12 +143,13 @@ def test_ray_job_submit_trains_exactly_the_drafter_of_the_resumed_run(ray_head, 
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "[attention] done" in proc.stdout and "step 6/6 loss" in proc.stdout
     assert "injected failure" not in proc.stdout + proc.stderr
-    ours = drafter_tensors(tmp_path / "out" / "drafter-attention")
-    resumed = drafter_tensors(src.drafter_dir("attention"))  # written by the resumed_attention fixture
+    target = load_model(src.model, with_tokenizer=False).model
+    ours = load_drafter(tmp_path / "out" / "drafter-attention", target).state_dict()
+    resumed = load_drafter(src.drafter_dir("attention"), target).state_dict()  # by the resumed_attention fixture
     assert ours.keys() == resumed.keys()
     for name, t in ours.items():  # calibration.up too: untrained here, it is equal only because it is seeded
         assert torch.equal(t, resumed[name]), name
-    fresh = Drafter.from_target(load_model(src.model, with_tokenizer=False).model, src.drafter).state_dict()
+    fresh = Drafter.from_target(target, src.drafter).state_dict()
     assert not torch.equal(ours["attn.1.q_proj.weight"], fresh["attn.1.q_proj.weight"])  # it did train
 
 
