@@ -1,5 +1,6 @@
 """Tracking records config, commit and hardware; configs are strict dataclasses."""
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
@@ -35,11 +36,18 @@ class Outer:
 
 
 def test_config_from_dict_nested_and_strict():
-    """Nested sections fill their missing keys from the field's default (not the nested class's), and unknown
-    keys or wrong types name the key."""
+    """Nested sections fill their missing keys from the field's default (not the nested class's), an int for a
+    float field becomes a float (the shipped YAML then hashes to the embedded defaults' run keys: `make demo`
+    and `flexdraft pipeline --config configs/smollm2.yaml` share their results), and unknown keys or wrong
+    types name the key."""
     cfg = from_dict(Outer, {"name": "y", "inner": {"lr": 1, "layers": [1, 2]}})
-    assert cfg.inner.lr == 1 and cfg.inner.layers == [1, 2]
-    from flexdraft.pipeline import PipelineConfig
+    assert cfg.inner.lr == 1 and isinstance(cfg.inner.lr, float) and cfg.inner.layers == [1, 2]
+    from flexdraft.jobs import run_key
+    from flexdraft.pipeline import PipelineConfig, load_pipeline_config
+
+    shipped = load_pipeline_config(Path(__file__).resolve().parents[1] / "configs" / "smollm2.yaml")
+    for stage in ("attention", "calibration"):
+        assert run_key(shipped, stage) == run_key(PipelineConfig(), stage)
 
     cfg = from_dict(PipelineConfig, {"calibration": {"lr": 3e-3}})
     assert cfg.calibration.lr == 3e-3 and cfg.calibration.steps == PipelineConfig().calibration.steps == 200

@@ -119,6 +119,8 @@ def from_dict(cls, data: dict | None, where: str = ""):
             factory = fields[key].default_factory
             default = dataclasses.asdict(factory()) if factory is not dataclasses.MISSING else {}
             value = from_dict(hint, {**default, **value}, f"{where}.{key}")
+        elif hint is float:  # YAML's 12 for a float field: 12.0, as the default is, so config hashes agree
+            value = float(value)
         kwargs[key] = value
     return cls(**kwargs)
 
