@@ -153,6 +153,30 @@ def test_ray_job_submit_trains_exactly_the_drafter_of_the_resumed_run(ray_head, 
     assert not torch.equal(ours["attn.1.q_proj.weight"], fresh["attn.1.q_proj.weight"])  # it did train
 
 
+def test_budgeted_attention_in_a_pipeline_trains_until_the_rest_is_left(ray_head, tiny_pipeline, tmp_path,
+                                                                         monkeypatch):
+    """Inside a pipeline of 10 minutes, an attention stage whose own budget (0.03 s) fits no more than its 10 probe
+    steps trains what the deadline leaves instead: all of its 40 steps. Every worker fixes the same count."""
+    import time
+
+    from flexdraft.jobs import run_training
+
+    _, raw, _ = tiny_pipeline
+    cfg = from_dict(PipelineConfig, {**raw, "output_dir": str(tmp_path / "out"), "time_budget_min": 10,
+                                     "attention": {**raw["attention"], "steps": 40, "time_budget_min": 0.0005,
+                                                   "checkpoint_every": 20, "log_every": 20}})
+    cfg.distill_dir().parent.mkdir(parents=True)
+    cfg.distill_dir().symlink_to(from_dict(PipelineConfig, raw).distill_dir())
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.chdir(tmp_path)
+    meta = run_training(cfg, "attention", deadline=time.time() + 600)
+    run_id = (cfg.root / f"attention-{meta['run_key']}.mlflow-run").read_text()
+    assert mlflow_history(uri, run_id, "train/planned_steps", values=True) == [(10, 40)] and meta["steps"] == 40
+    (_, budget_min), = mlflow_history(uri, run_id, "train/budget_min", values=True)
+    assert 5 < budget_min < 10  # the deadline's, less calibration's budget, evaluations, start-up and the margin
+
+
 @pytest.mark.parametrize("change,msg", [
     ({"drafter": {"k": 9}}, "between 1 and the model's 4 layers"),
     ({"attention": {"stepz": 3}}, "unknown key"),
@@ -160,11 +184,13 @@ def test_ray_job_submit_trains_exactly_the_drafter_of_the_resumed_run(ray_head, 
     ({"distill": {"seed": 1}}, "no train data"),  # another distill config = data not made yet
     ({"attention": {"dtype": "float16"}}, "float16 is GPU-only"),
     ({"calibration": {"time_budget_min": -5}}, "config.calibration.time_budget_min must be >= 0"),
-], ids=["k-too-large", "unknown-key", "wrong-type", "missing-data", "fp16-on-cpu", "negative-budget"])
+    ({"time_budget_min": -30}, "config.time_budget_min must be >= 0"),
+], ids=["k-too-large", "unknown-key", "wrong-type", "missing-data", "fp16-on-cpu", "negative-budget",
+        "negative-pipeline-budget"])
 def test_bad_input_fails_before_any_work(tiny_pipeline, tmp_path, change, msg):
     """Each a one-line error and exit status 2 from the job entrypoint, before Ray starts."""
     _, raw, _ = tiny_pipeline
-    bad = {**raw, **{k: {**raw.get(k, {}), **v} for k, v in change.items()}}
+    bad = {**raw, **{k: {**raw.get(k, {}), **v} if isinstance(v, dict) else v for k, v in change.items()}}
     (tmp_path / "bad.yaml").write_text(json.dumps(bad))
     env = {k: v for k, v in ENV.items() if k != "RAY_ADDRESS"}
     proc = subprocess.run([sys.executable, "jobs/attn_tuning.py", "--config", str(tmp_path / "bad.yaml")],

@@ -89,3 +89,18 @@ def test_every_shipped_config_loads(real_folder):
         load_harness_config(f)
     assert load_harness_config(configs / "bench" / "default.yaml") == HarnessConfig()
     assert load_pipeline_config(configs / "smollm2.yaml") == PipelineConfig()
+
+
+def test_pipeline_deadline_leaves_the_rest_its_time_and_the_stage_at_least_its_own_budget():
+    """Attention tuning's budget in a pipeline: the time to the deadline less what the rest needs (its final
+    evaluation and calibration's, as long as its first; calibration's start-up, as long as its own; calibration's
+    budget; 5% of the pipeline's budget), never less than the stage's own."""
+    from flexdraft.jobs import deadline_budget
+    from flexdraft.pipeline import PipelineConfig
+
+    cfg = PipelineConfig()  # 30 min in all; attention at least 12, calibration 3
+    # the stage launched at t = 100 s, evaluated for 30 s, its steps start at t = 160 s: start-up 30 s
+    left = deadline_budget(cfg, deadline=1900.0, launched=100.0, train_start=160.0, eval_s=30.0)
+    assert left == 1900 - 160 - (2 * 30 + 30 + 3 * 60 + 0.05 * 30 * 60)
+    # distill took most of the pipeline's time: the stage's own 12 min
+    assert deadline_budget(cfg, deadline=1000.0, launched=100.0, train_start=160.0, eval_s=30.0) == 12 * 60

@@ -20,17 +20,17 @@ DEMO_BENCH = dict(batch_sizes=[1, 4, 16], samples=4, max_new_tokens=48, profile=
 
 
 def run_demo(pipeline: PipelineConfig | None = None, bench: HarnessConfig | None = None) -> dict:
-    from flexdraft.jobs import run_stage, shutdown_ray
+    from flexdraft.jobs import pipeline_deadline, run_stage, shutdown_ray
 
     cfg = pipeline or PipelineConfig()
-    t_start, times = time.perf_counter(), {}
+    t_start, times, deadline = time.perf_counter(), {}, pipeline_deadline(cfg)
     stages = [("distill", "self-distillation data: the target answers ShareGPT prompts (Ray actors)"),
               ("attention", "attention tuning of the deep layers' projectors (Ray Train + DeepSpeed)"),
               ("calibration", "bonus-guided calibration MLP (Ray Train + DeepSpeed)")]
     for i, (stage, what) in enumerate(stages, 1):
         print(f"\n=== [{i}/4] {what}", flush=True)
         t = time.perf_counter()
-        run_stage(cfg, stage)
+        run_stage(cfg, stage, deadline)
         times[stage] = time.perf_counter() - t
     shutdown_ray()  # the benchmark runs in this process and wants both cores
 

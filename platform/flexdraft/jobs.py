@@ -102,7 +102,7 @@ def run_key(cfg: PipelineConfig, stage: str) -> str:
     # the drafter format too: after a format change (e.g. 3: a known bonus takes the target's path) no stage
     # may resume from an older format's Ray Train checkpoint
     parts = [cfg.model, asdict(cfg.drafter), asdict(_stage_config(cfg, stage)), asdict(cfg.distill),
-             cfg.workers.num_workers, FORMAT]
+             cfg.workers.num_workers, FORMAT, cfg.time_budget_min]
     if stage == "calibration":
         parts.append(asdict(cfg.attention))
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:10]
@@ -136,6 +136,19 @@ class StepPlan:
 
     def fix(self, done: int, s_per_step: float) -> None:
         self.steps, self.fixed = max(done, min(self.most, int(self.budget_s / s_per_step))), True
+
+
+def deadline_budget(cfg: PipelineConfig, deadline: float, launched: float, train_start: float,
+                    eval_s: float) -> float:
+    """Seconds of training steps for a budgeted attention stage inside a pipeline that should end at `deadline`
+    (epoch seconds): what is left from `train_start` once the rest of the pipeline is reserved, and at least the
+    stage's own budget. The rest: this stage's final evaluation and calibration's (each as long as the `eval_s`
+    this stage's first one took), calibration's start-up (as long as this stage's: from `launched`, when the
+    driver started the trainer, to `train_start`, less that evaluation) and its budget, and 5% of the
+    pipeline's budget for a pace that drifts after it was measured."""
+    startup = max(0.0, train_start - launched - eval_s)
+    reserve = 2 * eval_s + startup + 60 * cfg.calibration.time_budget_min + 3 * cfg.time_budget_min
+    return max(60 * cfg.attention.time_budget_min, deadline - reserve - train_start)
 
 
 def _lr_lambda(tc: TrainConfig, plan: StepPlan):
@@ -269,10 +282,16 @@ def train_func(config: dict) -> None:
             engine.save_checkpoint(tmp, tag="ds", client_state=client)
             ray.train.report({**metrics, "step": step}, checkpoint=ray.train.Checkpoint.from_directory(tmp))
 
+    eval_s = None  # this attempt's first evaluation: how long the pipeline's later ones will take
     if start == 0 and stage == "attention":  # the untrained drafter, for before/after
         engine.module.eval()
+        t_eval = time.time()
         report({f"eval/{k}": v for k, v in _evaluate(engine.module, target, val_rows, tc, rank, world, device).items()},
                0, save=False)
+        eval_s = time.time() - t_eval
+    deadline = config.get("deadline")
+    if deadline and not plan.fixed and eval_s is not None:  # (a resumed attempt keeps the stage's own budget)
+        plan.budget_s = deadline_budget(cfg, deadline, config["launched"], time.time(), eval_s)
 
     t_window, seq_tokens, blocks, losses = time.perf_counter(), 0, 0, []
     t_run, run_totals = time.perf_counter(), torch.zeros(2, dtype=torch.float64)  # this attempt's tokens, blocks
@@ -295,15 +314,20 @@ def train_func(config: dict) -> None:
         done = step + 1
         if not plan.fixed and done in (start + 2, start + plan.PROBE):
             probe.append(time.perf_counter())
-            if len(probe) == 2:  # every worker takes the slowest pace: they step in lockstep
-                pace = torch.tensor([(probe[1] - probe[0]) / (plan.PROBE - 2)], dtype=torch.float64)
+            if len(probe) == 2:  # every worker takes the slowest pace and the smallest budget: they step in lockstep
+                pace_budget = torch.tensor([(probe[1] - probe[0]) / (plan.PROBE - 2), -plan.budget_s],
+                                           dtype=torch.float64)
                 if world > 1:
-                    torch.distributed.all_reduce(pace, op=torch.distributed.ReduceOp.MAX)
-                plan.fix(done, pace.item())
+                    torch.distributed.all_reduce(pace_budget, op=torch.distributed.ReduceOp.MAX)
+                pace, plan.budget_s = pace_budget[0].item(), -pace_budget[1].item()
+                plan.fix(done, pace)
                 if rank == 0:
-                    log(stage, f"time budget {tc.time_budget_min:g} min at {pace.item():.2f} s/step: "
+                    whose = (f"what the pipeline's {cfg.time_budget_min:g} min leave, at least {tc.time_budget_min:g}"
+                             if deadline and eval_s is not None else "the stage's own")
+                    log(stage, f"time budget {plan.budget_s / 60:.1f} min ({whose}) at {pace:.2f} s/step: "
                                f"{plan.steps} steps (at most {tc.steps})")
-                    mlflow.log_metric("train/planned_steps", plan.steps, step=done)
+                    mlflow.log_metrics({"train/planned_steps": plan.steps, "train/budget_min": plan.budget_s / 60},
+                                       step=done)
         if done % tc.log_every == 0 or done % tc.checkpoint_every == 0 or done == plan.steps:
             stats = torch.tensor([sum(losses) / len(losses), seq_tokens, blocks], dtype=torch.float64)
             if world > 1:
@@ -369,8 +393,9 @@ def preflight(cfg: PipelineConfig, stage: str) -> dict[str, list[Path]]:
     return files
 
 
-def run_training(cfg: PipelineConfig, stage: str, fail_at_step: int | None = None):
-    """Fit one stage with TorchTrainer; reuses a finished result and resumes an interrupted run."""
+def run_training(cfg: PipelineConfig, stage: str, fail_at_step: int | None = None, deadline: float | None = None):
+    """Fit one stage with TorchTrainer; reuses a finished result and resumes an interrupted run. deadline: when
+    the pipeline this stage runs in should end (epoch seconds; `deadline_budget`)."""
     import ray
     from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -378,6 +403,7 @@ def run_training(cfg: PipelineConfig, stage: str, fail_at_step: int | None = Non
     from flexdraft.drafter import read_drafter_meta
     from flexdraft.tracking import start_run, tracking_uri
 
+    launched = time.time()  # the stage's start-up runs from here to its first step
     files = preflight(cfg, stage)
     init_ray()
     key = run_key(cfg, stage)
@@ -402,6 +428,7 @@ def run_training(cfg: PipelineConfig, stage: str, fail_at_step: int | None = Non
         train_func,
         train_loop_config={"pipeline": asdict(cfg), "stage": stage, "run_key": key, "mlflow_uri": tracking_uri(),
                            "mlflow_run_id": run.info.run_id, "fail_at_step": fail_at_step,
+                           "deadline": deadline if stage == "attention" else None, "launched": launched,
                            "fail_marker": str(cfg.root / f"{stage}-{key}.failed-once")},
         scaling_config=ScalingConfig(num_workers=w.num_workers, use_gpu=w.use_gpu,
                                      resources_per_worker={"CPU": w.threads_per_worker}),
@@ -439,20 +466,26 @@ def shutdown_ray() -> None:
     ray.shutdown()
 
 
-def run_stage(cfg: PipelineConfig, stage: str):
+def pipeline_deadline(cfg: PipelineConfig) -> float | None:
+    """When a pipeline starting now should end (epoch seconds), or None without a pipeline budget."""
+    return time.time() + 60 * cfg.time_budget_min if cfg.time_budget_min else None
+
+
+def run_stage(cfg: PipelineConfig, stage: str, deadline: float | None = None):
     """Run one stage ("distill", "attention", "calibration") or all ("pipeline"); every check that can fail
-    runs before Ray starts (local) or is joined (RAY_ADDRESS)."""
+    runs before Ray starts (local) or is joined (RAY_ADDRESS). deadline: the pipeline's (`pipeline_deadline`),
+    for a stage run as part of one."""
     cfg.output_dir = str(cfg.root.resolve())  # workers must not depend on their own environment for it
     if stage == "distill":
         return run_distill(cfg)
     if stage == "pipeline":
-        t0 = time.perf_counter()
+        t0, deadline = time.perf_counter(), pipeline_deadline(cfg)
         run_distill(cfg)
-        run_training(cfg, "attention")
+        run_training(cfg, "attention", deadline=deadline)
         meta = run_training(cfg, "calibration")
         log("pipeline", f"all stages done in {time.perf_counter() - t0:.0f}s; drafter at {cfg.drafter_dir('calibration')}")
         return meta
-    return run_training(cfg, stage)
+    return run_training(cfg, stage, deadline=deadline)
 
 
 def job_main(stage: str, argv: list[str] | None = None) -> None:

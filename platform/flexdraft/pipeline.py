@@ -96,6 +96,12 @@ class PipelineConfig:
     calibration: TrainConfig = field(default_factory=lambda: TrainConfig(steps=200, time_budget_min=3.0,
                                                                          checkpoint_every=100, log_every=50))
     workers: WorkersConfig = field(default_factory=WorkersConfig)
+    # the whole pipeline's minutes (`flexdraft pipeline`, `make demo`; distill, start-up and evaluations included):
+    # a budgeted attention stage then trains until only what the rest needs is left (its final evaluation,
+    # calibration's start-up, budget and evaluation), and at least its own time_budget_min, so a faster machine
+    # spends the time a slower one needs on more steps. 0 = every stage keeps its own budget; a stage run alone
+    # always does (jobs.deadline_budget)
+    time_budget_min: float = 30.0
     mlflow_experiment: str = "flexdraft-training"
 
     def __post_init__(self):
@@ -103,6 +109,8 @@ class PipelineConfig:
             raise FlexDraftError(f"config.name must be a non-empty name without '/', got {self.name!r}")
         self.attention.check("attention")
         self.calibration.check("calibration")
+        if self.time_budget_min < 0:
+            raise FlexDraftError(f"config.time_budget_min must be >= 0 (0 = none), got {self.time_budget_min}")
         if self.workers.num_workers < 1:
             raise FlexDraftError(f"config.workers.num_workers must be >= 1, got {self.workers.num_workers}")
         if self.distill.validation_prompts >= self.distill.num_prompts:
