@@ -79,7 +79,7 @@ def test_known_bonus_drafts_the_targets_own_next_token(request, model, tuned_att
     """A known bonus in slot 0 is a clean token: whatever the tuned projectors (randomised here), its final
     hidden state equals the target's at that position (fp32, 1e-5), so d_1 = the target's next token; the
     sequential engine path (blocks written in the cache) gives the same. A masked slot 0 does not. The
-    engine's paired projectors (one GEMM for the target's and the drafter's) change no slot (1e-6), with
+    engine's paired projectors (one GEMM for the target's and the drafter's) change no slot (1e-5), with
     q/k norms (Qwen3: each set's heads and rope apart) and without (Llama: each slot's half picked first)."""
     tiny = request.getfixturevalue(model)
     torch.manual_seed(0)
@@ -103,9 +103,9 @@ def test_known_bonus_drafts_the_targets_own_next_token(request, model, tuned_att
     unpaired = drafter.forward_in_cache(tiny, inputs, part)
     torch.testing.assert_close(unpaired[:, 0], h[:1, 10], atol=1e-5, rtol=1e-5)
 
-    drafter.pair_with(tiny)
-    torch.testing.assert_close(drafter.forward_in_cache(tiny, inputs, part), unpaired, atol=1e-6, rtol=1e-6)
-    torch.testing.assert_close(draft_hidden(drafter, tiny, seqs, cache, anchors, known)[:, :, 0], got, atol=1e-6, rtol=1e-6)
+    drafter.pair_with(tiny)  # fp32 rounding apart (the AMD machine: 1.6e-6 between one GEMM and two); swapped halves differ by ~1
+    torch.testing.assert_close(drafter.forward_in_cache(tiny, inputs, part), unpaired, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(draft_hidden(drafter, tiny, seqs, cache, anchors, known)[:, :, 0], got, atol=1e-5, rtol=1e-5)
 
 
 @torch.no_grad()
