@@ -178,6 +178,25 @@ def test_ce_targets_are_the_targets_greedy_tokens_on_its_own_answers(tiny):
 
 
 @torch.no_grad()
+def test_evaluation_scores_a_known_bonus_with_the_block_pass_arithmetic(tmp_path):
+    """bf16 on the math path, as training pins it: a known bonus's draft d_1, the target's own next token, agrees
+    with the evaluation's target tokens on every one of 216 blocks, near-ties included (with the target pass on
+    SDPA beside the math block pass, 4 of them disagreed on the AMD machine)."""
+    make_tiny_hf("llama", tmp_path)
+    runtime = RuntimeConfig(device="cpu", dtype="bfloat16", cpu_prepack=False, cpu_attention="math")
+    target = load_model(tmp_path, runtime, with_tokenizer=False).model
+    drafter = Drafter.from_target(target, DrafterConfig(k=2, block_size=4))
+    seqs = sequences(target.args.vocab_size, R=4, T=64)
+    anchors = torch.arange(5, 59).expand(4, -1)  # every valid anchor
+    cache, h = target_pass(target, seqs, sdpa=False)
+    slot0 = draft_hidden(drafter, target, seqs, cache, anchors, torch.ones_like(anchors, dtype=torch.bool))[:, :, 0]
+    if not torch.equal(slot0, h.gather(1, (anchors + 1)[..., None].expand(-1, -1, h.shape[-1]))):
+        pytest.skip("this CPU's bf16 GEMMs round a block's rows unlike the same rows of a whole sequence")
+    counts = agreement_counts(drafter, target, seqs, stride=1, max_anchors=64)
+    assert counts["blocks"] == 216 and counts["bonus.agree"][0] == 216
+
+
+@torch.no_grad()
 def test_fresh_calibration_changes_nothing(tiny):
     """The calibration MLP's last layer starts at zero: calibrated and uncalibrated agreement are identical."""
     drafter = Drafter.from_target(tiny, DrafterConfig(k=2, block_size=4))
