@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 import tempfile
 import time
 from dataclasses import asdict
@@ -27,7 +28,10 @@ STAGES = ("attention", "calibration")
 
 
 def log(stage: str, msg: str) -> None:
-    print(f"[{stage}] {msg}", flush=True)
+    # not print: in Ray Train's workers print is patched to go to Train's logger and, where Ray has wrapped
+    # stdout (it has), to stdout too, so a job's output showed every worker line twice
+    sys.stdout.write(f"[{stage}] {msg}\n")
+    sys.stdout.flush()
 
 
 def _model_args(cfg: PipelineConfig):
@@ -491,7 +495,6 @@ def run_stage(cfg: PipelineConfig, stage: str, deadline: float | None = None):
 def job_main(stage: str, argv: list[str] | None = None) -> None:
     """`python jobs/<job>.py --config FILE`: the same whether run directly or through `ray job submit`."""
     import argparse
-    import sys
 
     from flexdraft.pipeline import load_pipeline_config
 
