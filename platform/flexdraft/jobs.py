@@ -293,9 +293,10 @@ def train_func(config: dict) -> None:
         report({f"eval/{k}": v for k, v in _evaluate(engine.module, target, val_rows, tc, rank, world, device).items()},
                0, save=False)
         eval_s = time.time() - t_eval
-    deadline = config.get("deadline")
-    if deadline and not plan.fixed and eval_s is not None:  # (a resumed attempt keeps the stage's own budget)
-        plan.budget_s = deadline_budget(cfg, deadline, config["launched"], time.time(), eval_s)
+    # a resumed attempt (no first evaluation timed) keeps the stage's own budget
+    by_deadline = bool(config.get("deadline")) and not plan.fixed and eval_s is not None
+    if by_deadline:
+        plan.budget_s = deadline_budget(cfg, config["deadline"], config["launched"], time.time(), eval_s)
 
     t_window, seq_tokens, blocks, losses = time.perf_counter(), 0, 0, []
     t_run, run_totals = time.perf_counter(), torch.zeros(2, dtype=torch.float64)  # this attempt's tokens, blocks
@@ -327,7 +328,7 @@ def train_func(config: dict) -> None:
                 plan.fix(done, pace)
                 if rank == 0:
                     whose = (f"what the pipeline's {cfg.time_budget_min:g} min leave, at least {tc.time_budget_min:g}"
-                             if deadline and eval_s is not None else "the stage's own")
+                             if by_deadline else "the stage's own")
                     log(stage, f"time budget {plan.budget_s / 60:.1f} min ({whose}) at {pace:.2f} s/step: "
                                f"{plan.steps} steps (at most {tc.steps})")
                     mlflow.log_metrics({"train/planned_steps": plan.steps, "train/budget_min": plan.budget_s / 60},
