@@ -8,6 +8,7 @@ takes the same steps it would have taken.
 """
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import os
@@ -127,19 +128,46 @@ def _deepspeed_config(tc: TrainConfig, dtype: torch.dtype) -> dict:
 
 class StepPlan:
     """How many steps a run takes: `steps`, or with a time budget, as many as fit it at the pace of the run's
-    steps 3-10 (fixed once, then kept in every checkpoint: a resumed run ends where the first attempt would)."""
+    steps 3-10, fixed then and kept in every checkpoint (a resumed run ends where the first attempt would).
+    A pace that drifts later moves the count (`hold`): the budget holds, and the schedule is re-planned from the
+    step it changed at."""
     PROBE = 10  # steps before the count is fixed (the first 2 warm up, the rest are timed)
+    HOLD_EVERY, HOLD_WINDOW = 10, 50  # then every 10 steps, the pace of the latest 50 is checked against the budget
+    TOLERANCE = 0.03  # of the budget: a projected end that misses it by less leaves the count alone
 
     def __init__(self, tc: TrainConfig):
         self.budget_s, self.most, self.steps = tc.time_budget_min * 60, tc.steps, tc.steps
         self.fixed = not self.budget_s or tc.steps <= self.PROBE
+        self.first = self.steps  # the count the schedule was planned for; then each re-plan's (step, count)
+        self.replans: list[tuple[int, int]] = []
 
-    def restore(self, stored: int | None) -> None:
-        if stored is not None:
-            self.steps, self.fixed = stored, True
+    def state(self) -> dict:
+        return {"planned_steps": self.steps if self.fixed else None, "first_steps": self.first,
+                "replans": self.replans}
+
+    def restore(self, client: dict) -> None:
+        if client.get("planned_steps") is not None:
+            self.steps, self.fixed = client["planned_steps"], True
+            self.first = client.get("first_steps", self.steps)
+            self.replans = [tuple(r) for r in client.get("replans", [])]
 
     def fix(self, done: int, s_per_step: float) -> None:
         self.steps, self.fixed = max(done, min(self.most, int(self.budget_s / s_per_step))), True
+        self.first = self.steps
+
+    def hold(self, done: int, spent_s: float, s_per_step: float) -> bool:
+        """After `done` steps that took `spent_s` of the budget, at the pace `s_per_step` of the latest steps:
+        re-fix the count to what the rest of the budget fits when the planned steps would miss it by more than
+        the tolerance (at least `done`, at most `steps` of the config). True when the count changed."""
+        left = self.budget_s - spent_s
+        if abs(left - (self.steps - done) * s_per_step) <= self.TOLERANCE * self.budget_s:
+            return False
+        steps = max(done, min(self.most, done + int(left / s_per_step)))
+        if steps == self.steps:
+            return False
+        self.steps = steps
+        self.replans.append((done, steps))
+        return True
 
 
 def deadline_budget(cfg: PipelineConfig, deadline: float, launched: float, train_start: float,
@@ -156,13 +184,22 @@ def deadline_budget(cfg: PipelineConfig, deadline: float, launched: float, train
 
 
 def _lr_lambda(tc: TrainConfig, plan: StepPlan):
+    """Linear warm-up, then cosine down to 10% at the plan's last step. A re-plan at step c (`StepPlan.hold`) keeps
+    the cosine's phase at c and runs the rest of it, faster or slower, to end at the new last step: no jump."""
     import math
 
-    def f(step: int) -> float:  # linear warm-up, then cosine down to 10% at the plan's last step
+    def phase(at: float, a: int, end: int, step: int) -> float:  # `at` at step a, 1 at step end
+        return at + (1 - at) * min(1.0, (step - a) / max(1, end - a))
+
+    def f(step: int) -> float:
         if step < tc.warmup_steps:
             return (step + 1) / tc.warmup_steps
-        t = (step - tc.warmup_steps) / max(1, plan.steps - tc.warmup_steps)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(t, 1.0)))
+        at, a, end = 0.0, tc.warmup_steps, plan.first
+        for c, steps in plan.replans:
+            if step < c:
+                break
+            at, a, end = phase(at, a, end, c), c, steps
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * phase(at, a, end, step)))
     return f
 
 
@@ -258,7 +295,7 @@ def train_func(config: dict) -> None:
         with checkpoint.as_directory() as d:
             _, client = engine.load_checkpoint(d, tag="ds")
         start = client["step"]
-        plan.restore(client.get("planned_steps"))
+        plan.restore(client)
 
     B = cfg.drafter.block_size
     train_rows = _rows(ray.train.get_dataset_shard("train"), tc.max_seq_len, B + 2)
@@ -282,7 +319,7 @@ def train_func(config: dict) -> None:
             ray.train.report({**metrics, "step": step})
             return
         with tempfile.TemporaryDirectory() as tmp:
-            client = {"step": step, "planned_steps": plan.steps if plan.fixed else None}
+            client = {"step": step, **plan.state()}
             engine.save_checkpoint(tmp, tag="ds", client_state=client)
             ray.train.report({**metrics, "step": step}, checkpoint=ray.train.Checkpoint.from_directory(tmp))
 
@@ -301,6 +338,7 @@ def train_func(config: dict) -> None:
     t_window, seq_tokens, blocks, losses = time.perf_counter(), 0, 0, []
     t_run, run_totals = time.perf_counter(), torch.zeros(2, dtype=torch.float64)  # this attempt's tokens, blocks
     probe = []  # times at which this attempt's step 2 and step PROBE ended (a budgeted run's pace)
+    ends = collections.deque(maxlen=plan.HOLD_WINDOW + 1)  # when the latest steps ended (the pace that `hold`s)
     step = start
     while step < plan.steps:
         if config.get("fail_at_step") == step and not Path(config["fail_marker"]).exists():
@@ -326,6 +364,7 @@ def train_func(config: dict) -> None:
                     torch.distributed.all_reduce(pace_budget, op=torch.distributed.ReduceOp.MAX)
                 pace, plan.budget_s = pace_budget[0].item(), -pace_budget[1].item()
                 plan.fix(done, pace)
+                spent_before = start * pace  # of the budget, by earlier attempts' steps (the count covers them)
                 if rank == 0:
                     whose = (f"what the pipeline's {cfg.time_budget_min:g} min leave, at least {tc.time_budget_min:g}"
                              if by_deadline else "the stage's own")
@@ -333,6 +372,19 @@ def train_func(config: dict) -> None:
                                f"{plan.steps} steps (at most {tc.steps})")
                     mlflow.log_metrics({"train/planned_steps": plan.steps, "train/budget_min": plan.budget_s / 60},
                                        step=done)
+        ends.append(time.perf_counter())
+        # only the attempt that fixed the count holds it: it knows what its steps have spent
+        if (len(probe) == 2 and done < plan.steps and done % plan.HOLD_EVERY == 0
+                and done >= start + plan.PROBE + plan.HOLD_WINDOW):
+            pace_spent = torch.tensor([(ends[-1] - ends[0]) / plan.HOLD_WINDOW,
+                                       ends[-1] - t_run + spent_before], dtype=torch.float64)
+            if world > 1:  # the same inputs on every worker: the same count
+                torch.distributed.all_reduce(pace_spent, op=torch.distributed.ReduceOp.MAX)
+            was = plan.steps
+            if plan.hold(done, pace_spent[1].item(), pace_spent[0].item()) and rank == 0:
+                log(stage, f"pace {pace_spent[0].item():.2f} s/step over the last {plan.HOLD_WINDOW} steps: {plan.steps} "
+                           f"steps instead of {was}, to end within the {plan.budget_s / 60:.1f} min budget")
+                mlflow.log_metric("train/planned_steps", plan.steps, step=done)
         if done % tc.log_every == 0 or done % tc.checkpoint_every == 0 or done == plan.steps:
             stats = torch.tensor([sum(losses) / len(losses), seq_tokens, blocks], dtype=torch.float64)
             if world > 1:

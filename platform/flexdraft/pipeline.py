@@ -34,7 +34,8 @@ class TrainConfig:
     steps: int = 1500  # optimizer steps (each worker: batch_size sequences per step); with a time budget, the most
     # minutes of training steps (start-up and evaluation not counted); 0 = none. A budgeted run times its steps
     # 3-10, fixes its step count to what fits (at least 10, at most `steps`) and keeps it in its checkpoints: the
-    # LR schedule ends where the run ends, and a resumed run ends where the first attempt would have (StepPlan)
+    # LR schedule ends where the run ends, and a resumed run ends where the first attempt would have. When the pace
+    # drifts later, the count moves to hold the budget and the schedule follows (StepPlan.hold)
     time_budget_min: float = 0.0
     batch_size: int = 1  # sequences per worker per step
     anchors_per_seq: int = 16  # blocks per sequence per step
