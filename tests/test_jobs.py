@@ -156,16 +156,17 @@ def test_ray_job_submit_trains_exactly_the_drafter_of_the_resumed_run(ray_head, 
 def test_budgeted_attention_in_a_pipeline_trains_until_the_rest_is_left(ray_head, tiny_pipeline, tmp_path,
                                                                          monkeypatch):
     """Inside a pipeline of 10 minutes, an attention stage whose own budget (0.03 s) fits no more than its 10 probe
-    steps trains what the deadline leaves instead: all of its 80 steps. Every worker fixes the same count, and
-    checks it against the budget together at steps 60 and 70 (`StepPlan.hold`: the count stays, at its most)."""
+    steps trains what the deadline leaves instead: all of its 40 steps. Every worker fixes the same count, and
+    checks it against the budget together after every step from step 30 on (`StepPlan.hold`: the count stays, at
+    its most)."""
     import time
 
     from flexdraft.jobs import run_training
 
     _, raw, _ = tiny_pipeline
     cfg = from_dict(PipelineConfig, {**raw, "output_dir": str(tmp_path / "out"), "time_budget_min": 10,
-                                     "attention": {**raw["attention"], "steps": 80, "time_budget_min": 0.0005,
-                                                   "checkpoint_every": 40, "log_every": 20}})
+                                     "attention": {**raw["attention"], "steps": 40, "time_budget_min": 0.0005,
+                                                   "checkpoint_every": 20, "log_every": 20}})
     cfg.distill_dir().parent.mkdir(parents=True)
     cfg.distill_dir().symlink_to(from_dict(PipelineConfig, raw).distill_dir())
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -173,7 +174,7 @@ def test_budgeted_attention_in_a_pipeline_trains_until_the_rest_is_left(ray_head
     monkeypatch.chdir(tmp_path)
     meta = run_training(cfg, "attention", deadline=time.time() + 600)
     run_id = (cfg.root / f"attention-{meta['run_key']}.mlflow-run").read_text()
-    assert mlflow_history(uri, run_id, "train/planned_steps", values=True) == [(10, 80)] and meta["steps"] == 80
+    assert mlflow_history(uri, run_id, "train/planned_steps", values=True) == [(10, 40)] and meta["steps"] == 40
     (_, budget_min), = mlflow_history(uri, run_id, "train/budget_min", values=True)
     assert 5 < budget_min < 10  # the deadline's, less calibration's budget, evaluations, start-up and the margin
 

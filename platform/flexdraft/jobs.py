@@ -132,7 +132,9 @@ class StepPlan:
     A pace that drifts later moves the count (`hold`): the budget holds, and the schedule is re-planned from the
     step it changed at."""
     PROBE = 10  # steps before the count is fixed (the first 2 warm up, the rest are timed)
-    HOLD_EVERY, HOLD_WINDOW = 10, 50  # then every 10 steps, the pace of the latest 50 is checked against the budget
+    # then, from 20 steps after that on, every step's end checks the pace of the latest 50 (or all since the count
+    # was fixed) against the budget: one all-reduce of two numbers, and a sudden slowdown is caught a step later
+    HOLD_AFTER, HOLD_WINDOW = 20, 50
     TOLERANCE = 0.03  # of the budget: a projected end that misses it by less leaves the count alone
 
     def __init__(self, tc: TrainConfig):
@@ -374,15 +376,15 @@ def train_func(config: dict) -> None:
                                        step=done)
         ends.append(time.perf_counter())
         # only the attempt that fixed the count holds it: it knows what its steps have spent
-        if (len(probe) == 2 and done < plan.steps and done % plan.HOLD_EVERY == 0
-                and done >= start + plan.PROBE + plan.HOLD_WINDOW):
-            pace_spent = torch.tensor([(ends[-1] - ends[0]) / plan.HOLD_WINDOW,
+        if len(probe) == 2 and done < plan.steps and done >= start + plan.PROBE + plan.HOLD_AFTER:
+            window = min(plan.HOLD_WINDOW, done - start - plan.PROBE)
+            pace_spent = torch.tensor([(ends[-1] - ends[-1 - window]) / window,
                                        ends[-1] - t_run + spent_before], dtype=torch.float64)
             if world > 1:  # the same inputs on every worker: the same count
                 torch.distributed.all_reduce(pace_spent, op=torch.distributed.ReduceOp.MAX)
             was = plan.steps
             if plan.hold(done, pace_spent[1].item(), pace_spent[0].item()) and rank == 0:
-                log(stage, f"pace {pace_spent[0].item():.2f} s/step over the last {plan.HOLD_WINDOW} steps: {plan.steps} "
+                log(stage, f"pace {pace_spent[0].item():.2f} s/step over the last {window} steps: {plan.steps} "
                            f"steps instead of {was}, to end within the {plan.budget_s / 60:.1f} min budget")
                 mlflow.log_metric("train/planned_steps", plan.steps, step=done)
         if done % tc.log_every == 0 or done % tc.checkpoint_every == 0 or done == plan.steps:
