@@ -12,6 +12,7 @@ import torch
 import yaml
 
 from flexdraft.errors import FlexDraftError
+from flexdraft.hardware import probe
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -23,30 +24,16 @@ def data_dir() -> Path:
     return path
 
 
-def cpuinfo(field: str) -> str:
-    """The first value of `field` in /proc/cpuinfo ("model name", "flags"); "" where there is none (not Linux)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return ""
-    return next((line.split(":", 1)[1].strip() for line in lines if line.split(":", 1)[0].strip() == field), "")
-
-
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU has bf16 matrix instructions (AVX512-BF16 or AMX). With them a bf16 GEMM runs ~4.5x
-    faster than fp32 (measured: 576x1536, one thread, 506 against 111 GFLOP/s); without, bf16 is emulated
-    and slower than fp32."""
-    return bool({"avx512_bf16", "amx_bf16"} & set(cpuinfo("flags").split()))
-
-
 @dataclass
 class RuntimeConfig:
     device: str = "auto"  # auto = cuda when available, else cpu
-    dtype: str = "auto"  # auto = bfloat16 on cuda, float32 on cpu; or float32 / bfloat16 / float16
+    # auto = bfloat16 where the device has native bf16 (CUDA; AVX512-BF16 / AMX CPUs), else float32 (hardware.probe)
+    dtype: str = "auto"
     # torch intra-op threads on CPU; 0 = one per core available to this process. One process on the 2-core
     # dev machine: 2 threads beat 1 by 10-35% (bench-ar); processes sharing the cores (Ray workers) set 1.
     threads: int = 0
-    cpu_prepack: bool = True  # oneDNN-prepacked linear weights on CPU (inference; 1.5-2x faster GEMMs)
+    # oneDNN-prepacked linear weights on CPU (inference; 1.5-2x faster GEMMs), where oneDNN can pack the dtype
+    cpu_prepack: bool = True
     # attention kernel for bf16/fp16 on CPU: sdpa, math (explicit matmuls), or auto = whichever a micro-benchmark
     # at load time finds faster on this CPU (models.transformer.cpu_attention_kernel); fp32 and CUDA use SDPA
     cpu_attention: str = "auto"
@@ -58,14 +45,19 @@ class RuntimeConfig:
             raise FlexDraftError(f"device {self.device!r} requested but CUDA is not available")
         return torch.device(self.device)
 
-    def torch_dtype(self) -> torch.dtype:
+    def dtype_name(self) -> str:
+        """The dtype this config means on its device: `auto` resolved by the hardware probe."""
+        device = self.torch_device().type
         if self.dtype == "auto":
-            return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
+            return probe().auto_dtype(device)
         if self.dtype not in DTYPES:
             raise FlexDraftError(f"unknown dtype {self.dtype!r}: use one of auto, {', '.join(DTYPES)}")
-        if self.dtype == "float16" and self.torch_device().type == "cpu":
+        if self.dtype == "float16" and device == "cpu":
             raise FlexDraftError("dtype float16 is GPU-only: use float32 or bfloat16 on CPU")
-        return DTYPES[self.dtype]
+        return self.dtype
+
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype_name()]
 
     def apply(self) -> None:
         if self.threads < 0:

@@ -72,7 +72,7 @@ class HarnessConfig:
     drafter: str = ""  # "" = the default pipeline's drafter; a folder; or "init"
     store: str = ""  # n-gram store of lookup steps: "" = the default pipeline's (if distilled), a file or folder, "none"
     device: str = "auto"
-    dtype: str = "bfloat16"
+    dtype: str = "auto"  # bfloat16 where the device has native bf16, else float32 (hardware.probe)
     threads: int = 0  # 0 = one per core
     datasets: list[str] = field(default_factory=lambda: ["gsm8k", "humaneval", "mt-bench", "math", "mbpp"])
     samples: int = 4  # prompts per dataset; a batch-b cell decodes max(samples, b) of them
@@ -347,6 +347,7 @@ def run_harness(cfg: HarnessConfig, log=print) -> dict:
         results = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                    "git_commit": git_commit(), "hardware": hardware(), "config": asdict(cfg),
                    "device": str(lm.model.device), "attention": "math" if lm.model.math_attention else "sdpa",
+                   "dtype": str(lm.model.dtype).removeprefix("torch."), "prepacked": lm.model.lm_head.packed is not None,
                    "drafter": choice.source, "drafter_eval": choice.prior,
                    "store": store_source,
                    "unavailable": unavailable, "seconds": time.perf_counter() - t_start, "output_dir": str(out),
@@ -415,7 +416,8 @@ def report(results: dict) -> str:
     decoding = sampled if cfg["temperature"] else "greedy"
     lines = [f"# FlexDraft benchmark, {results['date']}", "",
              f"* Machine: {hw.get('gpu') or hw['cpu']} ({hw['cpu_count']} CPUs, {hw['torch_threads']} torch threads), "
-             f"{results['device']}, {cfg['dtype']} ({results['attention']} attention); model {cfg['model']}; "
+             f"{hw.get('cpu_isa', '')}, {results['device']}, {results.get('dtype', cfg['dtype'])} (dtype {cfg['dtype']}; "
+             f"{results['attention']} attention, prepacked weights {results.get('prepacked')}); model {cfg['model']}; "
              f"drafter {results['drafter'] or 'none'}; "
              f"n-gram store {results.get('store') or 'none'}; commit {results['git_commit']}.",
              f"* Prompts: a seeded sample (seed {cfg['seed']}) of max({cfg['samples']}, batch) per dataset and batch "

@@ -7,9 +7,10 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from flexdraft.config import cpu_has_native_bf16, data_dir, load_yaml
+from flexdraft.config import data_dir, load_yaml
 from flexdraft.drafter import DrafterConfig
 from flexdraft.errors import FlexDraftError
+from flexdraft.hardware import probe
 
 
 @dataclass
@@ -23,7 +24,12 @@ class DistillConfig:
     max_new_tokens: int = 192
     batch_size: int = 64  # one thread, bf16, 96 new tokens: 322 tok/s at 16, 409 at 32, 482 at 64
     shard_size: int = 64  # prompts per shard: the unit of parallelism and of resumption
-    dtype: str = "bfloat16"  # the target's dtype while answering (its greedy answers are the training data)
+    # the target's dtype while answering (its greedy answers are the training data); auto: see RuntimeConfig
+    dtype: str = "auto"
+    # minutes for answering, Ray's start-up included; 0 = none. Past it no shard starts, and the shards being
+    # answered keep what they have (answers cut short: finish_reason "time"), so a slower machine distils fewer
+    # tokens instead of taking longer. The validation shard goes first.
+    time_budget_min: float = 7.0
     seed: int = 0
 
 
@@ -74,7 +80,7 @@ class TrainConfig:
         CPU; DeepSpeed keeps fp32 master weights either way."""
         if self.dtype != "auto":
             return self.dtype
-        return "bfloat16" if device_type == "cuda" or cpu_has_native_bf16() else "float32"
+        return probe().auto_dtype(device_type)
 
 
 @dataclass
@@ -92,16 +98,16 @@ class PipelineConfig:
     model: str = "smollm2"  # 'smollm2' (bundled), a .gguf file or a HF folder
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
-    # time budgets sized for ~30 min end to end on the 2-core dev machine (distill, start-up and evaluations included)
+    # time budgets sized for ~30 min end to end on a 2-core machine (distill, start-up and evaluations included)
     attention: TrainConfig = field(default_factory=lambda: TrainConfig(time_budget_min=12.0))
     calibration: TrainConfig = field(default_factory=lambda: TrainConfig(steps=200, time_budget_min=3.0,
                                                                          checkpoint_every=100, log_every=50))
     workers: WorkersConfig = field(default_factory=WorkersConfig)
     # the whole pipeline's minutes (`flexdraft pipeline`, `make demo`; distill, start-up and evaluations included):
-    # a budgeted attention stage then trains until only what the rest needs is left (its final evaluation,
-    # calibration's start-up, budget and evaluation), and at least its own time_budget_min, so a faster machine
-    # spends the time a slower one needs on more steps. 0 = every stage keeps its own budget; a stage run alone
-    # always does (jobs.deadline_budget)
+    # distill keeps its own budget, and a budgeted attention stage then trains until only what the rest needs is
+    # left (its final evaluation, calibration's start-up, budget and evaluation), more or less than its own
+    # time_budget_min, so a faster machine spends the time a slower one needs on more steps and a slower one ends
+    # in time. 0 = every stage keeps its own budget; a stage run alone always does (jobs.deadline_budget)
     time_budget_min: float = 30.0
     mlflow_experiment: str = "flexdraft-training"
 
@@ -116,6 +122,12 @@ class PipelineConfig:
             raise FlexDraftError(f"config.workers.num_workers must be >= 1, got {self.workers.num_workers}")
         if self.distill.validation_prompts >= self.distill.num_prompts:
             raise FlexDraftError("config.distill.validation_prompts must be smaller than num_prompts")
+        if self.distill.time_budget_min < 0:
+            raise FlexDraftError(f"config.distill.time_budget_min must be >= 0 (0 = none), got "
+                                 f"{self.distill.time_budget_min}")
+        if self.distill.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise FlexDraftError(f"config.distill.dtype must be auto, float32, bfloat16 or float16, got "
+                                 f"{self.distill.dtype!r}")
 
     @property
     def root(self) -> Path:

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from flexdraft.config import cpuinfo, data_dir
+from flexdraft.config import data_dir
+from flexdraft.hardware import probe
 
 
 def tracking_uri() -> str:
@@ -36,14 +37,17 @@ def git_commit() -> str:
 
 
 def hardware() -> dict[str, str]:
+    caps = probe()
     info = {
-        "cpu": platform.processor() or platform.machine(),
+        "cpu": caps.cpu_name,
+        "cpu_isa": caps.cpu_isa,
+        "native_bf16": str(caps.cpu_bf16),
+        "prepack_dtypes": ",".join(caps.prepack),
         "cpu_count": str(os.cpu_count()),
         "torch_threads": str(torch.get_num_threads()),
         "torch": torch.__version__,
         "python": platform.python_version(),
     }
-    info["cpu"] = cpuinfo("model name") or info["cpu"]
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
         info["gpu_count"] = str(torch.cuda.device_count())

