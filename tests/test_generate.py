@@ -156,3 +156,21 @@ def test_length_groups_cover_all_rows_with_bounded_padding():
     for start, end in groups:
         assert lens[start] * (end - start) <= 1.1 * sum(lens[start:end])
     assert length_groups([7]) == [(0, 1)] and len(length_groups([50] * 8)) == 1
+
+
+def test_a_deadline_cuts_running_rows_and_a_future_one_changes_nothing(tmp_path):
+    """A deadline already passed stops every row after the token its prefill gives (finish_reason "time"); one
+    far ahead gives exactly the tokens and reasons of a call without one."""
+    import time
+
+    make_tiny_hf("llama", tmp_path)
+    model = load_model(tmp_path, RuntimeConfig(device="cpu", dtype="float32"), with_tokenizer=False).model
+    prompts, params = [[5, 6, 7], [9] * 6, [11, 12]], SamplingParams(max_new_tokens=12)
+    full = generate(model, prompts, params, eos_token_ids=(3,))
+    cut = generate(model, prompts, params, eos_token_ids=(3,), deadline=time.time() - 1)
+    later = generate(model, prompts, params, eos_token_ids=(3,), deadline=time.time() + 3600)
+    assert [g.token_ids for g in later] == [g.token_ids for g in full]
+    assert [g.finish_reason for g in later] == [g.finish_reason for g in full]
+    assert all(len(g.token_ids) == 12 for g in full)  # so every row was still running at the deadline
+    assert [g.token_ids for g in cut] == [g.token_ids[:1] for g in full]
+    assert {g.finish_reason for g in cut} == {"time"}

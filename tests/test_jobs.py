@@ -179,6 +179,32 @@ def test_budgeted_attention_in_a_pipeline_trains_until_the_rest_is_left(ray_head
     assert 5 < budget_min < 10  # the deadline's, less calibration's budget, evaluations, start-up and the margin
 
 
+@pytest.mark.real_model
+def test_distill_spends_its_time_budget_on_validation_first_and_leaves_the_rest_out(ray_head, tmp_path):
+    """Self-distillation of the bundled model with a budget spent before the actors start: each of the 2 actors'
+    first shard still runs (validation first, then one train shard), its answers cut after the token the prefill
+    gives (finish_reason "time"); the 3 other train shards are left out, the manifest says so, and a second run
+    reuses the folder."""
+    import pyarrow.parquet as pq
+
+    from flexdraft.jobs import run_distill
+
+    cfg = from_dict(PipelineConfig, {"name": "d", "output_dir": str(tmp_path / "out"),
+                                     "distill": {"num_prompts": 10, "validation_prompts": 2, "shard_size": 2,
+                                                 "batch_size": 2, "max_new_tokens": 16, "time_budget_min": 1e-4}})
+    out = run_distill(cfg)
+    assert sorted(f.name for f in out.glob("*.parquet")) == ["train-00000.parquet", "validation-00000.parquet"]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["shards_left_out"] == 3 and manifest["answers_cut"] == 4
+    assert manifest["train"]["sequences"] == manifest["validation"]["sequences"] == 2
+    for f in out.glob("*.parquet"):
+        t = pq.read_table(f).to_pylist()
+        assert [r["finish_reason"] for r in t] == ["time", "time"]
+        assert all(len(r["input_ids"]) == r["prompt_len"] + 1 for r in t)
+    before = (out / "manifest.json").stat().st_mtime_ns
+    assert run_distill(cfg) == out and (out / "manifest.json").stat().st_mtime_ns == before
+
+
 @pytest.mark.parametrize("change,msg", [
     ({"drafter": {"k": 9}}, "between 1 and the model's 4 layers"),
     ({"attention": {"stepz": 3}}, "unknown key"),

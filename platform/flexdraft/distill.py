@@ -44,17 +44,19 @@ def select_prompts(cfg: PipelineConfig, tokenizer) -> list[dict]:
 
 
 def shards(prompts: list[dict], shard_size: int) -> list[tuple[str, list[dict]]]:
-    """-> [(file name, prompts)], train and validation sharded separately."""
+    """-> [(file name, prompts)], validation and train sharded separately, validation first (a time-boxed run
+    always has it)."""
     out = []
-    for split in ("train", "validation"):
+    for split in ("validation", "train"):
         rows = [p for p in prompts if p["split"] == split]
         for n, i in enumerate(range(0, len(rows), shard_size)):
             out.append((f"{split}-{n:05d}.parquet", rows[i:i + shard_size]))
     return out
 
 
-def answer_shard(lm, prompts: list[dict], cfg: PipelineConfig, path: Path) -> dict:
-    """Answer one shard with batched greedy AR decoding and write it to `path` (temp file + rename)."""
+def answer_shard(lm, prompts: list[dict], cfg: PipelineConfig, path: Path, deadline: float | None = None) -> dict:
+    """Answer one shard with batched greedy AR decoding and write it to `path` (temp file + rename); answers
+    still running at `deadline` (epoch seconds) are cut there, and batches not started by then are left out."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -65,8 +67,11 @@ def answer_shard(lm, prompts: list[dict], cfg: PipelineConfig, path: Path) -> di
     rows = {"id": [], "input_ids": [], "prompt_len": [], "finish_reason": []}
     params = SamplingParams(max_new_tokens=d.max_new_tokens)
     for i in range(0, len(prompts), d.batch_size):
+        if deadline is not None and i and time.time() >= deadline:
+            break
         batch = prompts[i:i + d.batch_size]
-        for p, g in zip(batch, generate(lm.model, [p["prompt_ids"] for p in batch], params, lm.eos_token_ids)):
+        gens = generate(lm.model, [p["prompt_ids"] for p in batch], params, lm.eos_token_ids, deadline)
+        for p, g in zip(batch, gens):
             rows["id"].append(p["id"])
             rows["input_ids"].append(p["prompt_ids"] + g.token_ids)
             rows["prompt_len"].append(len(p["prompt_ids"]))
@@ -75,7 +80,8 @@ def answer_shard(lm, prompts: list[dict], cfg: PipelineConfig, path: Path) -> di
     pq.write_table(pa.table(rows), tmp)
     tmp.rename(path)
     answer_tokens = sum(len(x) - n for x, n in zip(rows["input_ids"], rows["prompt_len"]))
-    return {"file": path.name, "answer_tokens": answer_tokens, "seconds": time.perf_counter() - t0}
+    return {"file": path.name, "answer_tokens": answer_tokens, "seconds": time.perf_counter() - t0,
+            "cut": rows["finish_reason"].count("time") + len(prompts) - len(rows["id"])}
 
 
 def read_split(folder: Path, split: str) -> list[Path]:
@@ -85,10 +91,10 @@ def read_split(folder: Path, split: str) -> list[Path]:
     return files
 
 
-def write_manifest(folder: Path, cfg: PipelineConfig) -> dict:
+def write_manifest(folder: Path, cfg: PipelineConfig, extra: dict | None = None) -> dict:
     import pyarrow.parquet as pq
 
-    manifest = {"model": cfg.model, "distill": cfg.distill.__dict__}
+    manifest = {"model": cfg.model, "distill": cfg.distill.__dict__, **(extra or {})}
     for split in ("train", "validation"):
         tables = [pq.read_table(f, columns=["input_ids", "prompt_len"]) for f in read_split(folder, split)]
         n = sum(t.num_rows for t in tables)

@@ -126,7 +126,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
 @dataclass
 class Generation:
     token_ids: list[int]  # generated ids only; ends with the EOS token if one was produced
-    finish_reason: str  # "eos" | "length"
+    finish_reason: str  # "eos" | "length" | "time" (stopped by a deadline)
     seconds: float  # this row's share of the batch's wall time
     prompt_len: int
     extra: dict = field(default_factory=dict)
@@ -190,10 +190,11 @@ def prefill(model: Transformer, cache: KVCache, prompts: list[list[int]]) -> tor
 
 @torch.inference_mode()
 def generate(model: Transformer, prompts: list[list[int]], params: SamplingParams,
-             eos_token_ids=()) -> list[Generation]:
+             eos_token_ids=(), deadline: float | None = None) -> list[Generation]:
     """Generate for a batch of prompts of different lengths, each row at its own position.
 
     Rows that finish (EOS or max_new_tokens) are dropped from the cache, so later steps stop paying for them.
+    deadline (epoch seconds): decoding stops there, and rows still running end with finish_reason "time".
     """
     context = model.args.max_position_embeddings
     check_prompts(prompts, context, model.args.vocab_size)
@@ -213,6 +214,7 @@ def generate(model: Transformer, prompts: list[list[int]], params: SamplingParam
     out = torch.zeros(B, params.max_new_tokens, dtype=torch.long, device=device)
     n_out = torch.zeros(B, dtype=torch.long, device=device)
     rows = torch.tensor(order, device=device)  # active cache row -> original prompt index
+    cut = torch.zeros(B, dtype=torch.bool, device=device)  # rows the deadline stopped
     for step in range(params.max_new_tokens):
         out[rows, step] = next_tok
         n_out[rows] += 1
@@ -224,6 +226,9 @@ def generate(model: Transformer, prompts: list[list[int]], params: SamplingParam
                 break
             rows, next_tok = rows[keep], next_tok[keep]
             cache.keep_rows(keep)
+        if deadline is not None and time.time() >= deadline:
+            cut[rows] = True
+            break
         pos = cache.lens[:, None]  # [b, 1]
         h = model(next_tok[:, None], pos, cache)  # [b, 1, d]
         cache.lens += 1
@@ -235,6 +240,6 @@ def generate(model: Transformer, prompts: list[list[int]], params: SamplingParam
     results = []
     for i in range(B):
         ids = out[i, : n_out[i]].tolist()
-        reason = "eos" if ids and ids[-1] in eos_set else "length"
+        reason = "eos" if ids and ids[-1] in eos_set else "time" if cut[i] else "length"
         results.append(Generation(ids, reason, seconds, len(prompts[i])))
     return results

@@ -46,7 +46,9 @@ def _model_args(cfg: PipelineConfig):
 # ---------------------------------------------------------------------------------------------- distill
 
 def run_distill(cfg: PipelineConfig) -> Path:
-    """Answer the selected prompts with the target, one shard per actor call; finished shards are skipped."""
+    """Answer the selected prompts with the target, one shard per actor call; finished shards are skipped.
+    Within the distill budget (from this call on): past it no shard starts, and running ones are cut there;
+    the first shard of each actor always starts, so there is validation data and some training data."""
     import ray
 
     from flexdraft.distill import select_prompts, shards, store_path, write_manifest
@@ -56,15 +58,18 @@ def run_distill(cfg: PipelineConfig) -> Path:
     if (out / "manifest.json").is_file():
         log("distill", f"reusing {out} (finished earlier with this config)")
         return out
+    d = cfg.distill
+    deadline = time.time() + 60 * d.time_budget_min if d.time_budget_min else None
     init_ray()
     out.mkdir(parents=True, exist_ok=True)
-    runtime = RuntimeConfig(device="cpu" if not cfg.workers.use_gpu else "auto", dtype=cfg.distill.dtype,
+    runtime = RuntimeConfig(device="cpu" if not cfg.workers.use_gpu else "auto", dtype=d.dtype,
                             threads=cfg.workers.threads_per_worker)
     prompts = select_prompts(cfg, load_tokenizer(resolve_source(cfg.model)))  # the weights load in the actors
-    all_shards = shards(prompts, cfg.distill.shard_size)
+    all_shards = shards(prompts, d.shard_size)
     todo = [(name, rows) for name, rows in all_shards if not (out / name).is_file()]
     log("distill", f"{len(prompts)} prompts in {len(all_shards)} shards -> {out}; "
-                   f"{len(all_shards) - len(todo)} already done")
+                   f"{len(all_shards) - len(todo)} already done; dtype {d.dtype} -> {runtime.dtype_name()}; "
+                   + (f"time budget {d.time_budget_min:g} min" if deadline else "no time budget"))
 
     @ray.remote(num_cpus=cfg.workers.threads_per_worker, num_gpus=1 if cfg.workers.use_gpu else 0)
     class Answerer:
@@ -73,24 +78,38 @@ def run_distill(cfg: PipelineConfig) -> Path:
 
             self.lm = load_model(cfg.model, runtime, with_tokenizer=True)  # the tokenizer knows the EOS ids
 
-        def answer(self, rows, path):
+        def answer(self, rows, path, deadline):
             from flexdraft.distill import answer_shard
 
-            return answer_shard(self.lm, rows, cfg, Path(path))
+            return answer_shard(self.lm, rows, cfg, Path(path), deadline)
 
+    cut = 0
     if todo:
-        actors = [Answerer.remote() for _ in range(min(cfg.workers.num_workers, len(todo)))]
-        pool = ray.util.ActorPool(actors)
-        t0, tokens = time.perf_counter(), 0
-        for done, res in enumerate(pool.map_unordered(lambda a, job: a.answer.remote(job[1], str(out / job[0])),
-                                                      todo), 1):
-            tokens += res["answer_tokens"]
+        idle = [Answerer.remote() for _ in range(min(cfg.workers.num_workers, len(todo)))]
+        actors, running = list(idle), {}
+        t0, tokens, done = time.perf_counter(), 0, 0
+        while todo or running:
+            while idle and todo and (deadline is None or time.time() < deadline or done + len(running) < len(actors)):
+                name, rows = todo.pop(0)
+                actor = idle.pop()
+                running[actor.answer.remote(rows, str(out / name), deadline)] = actor
+            if not running:
+                break
+            [ref], _ = ray.wait(list(running), num_returns=1)
+            idle.append(running.pop(ref))
+            res = ray.get(ref)
+            done, tokens, cut = done + 1, tokens + res["answer_tokens"], cut + res["cut"]
             elapsed = time.perf_counter() - t0
-            log("distill", f"shard {res['file']} done ({done}/{len(todo)}): {res['answer_tokens']} answer tokens "
-                           f"in {res['seconds']:.0f}s; total {tokens} tokens, {tokens / elapsed:.0f} tok/s")
+            log("distill", f"shard {res['file']} done ({done}/{done + len(todo) + len(running)}): "
+                           f"{res['answer_tokens']} answer tokens in {res['seconds']:.0f}s"
+                           + (f" ({res['cut']} answers cut by the time budget)" if res["cut"] else "")
+                           + f"; total {tokens} tokens, {tokens / elapsed:.0f} tok/s")
         for a in actors:
             ray.kill(a)
-    manifest = write_manifest(out, cfg)
+        if todo:
+            log("distill", f"time budget of {d.time_budget_min:g} min spent: {len(todo)} train shards left out")
+    manifest = write_manifest(out, cfg, {"shards_left_out": len(todo), "answers_cut": cut,
+                                         "dtype": runtime.dtype_name()})
     store = store_path(out, _model_args(cfg).vocab_size)
     log("distill", f"done: train {manifest['train']}, validation {manifest['validation']}; n-gram store {store}")
     return out
@@ -175,14 +194,17 @@ class StepPlan:
 def deadline_budget(cfg: PipelineConfig, deadline: float, launched: float, train_start: float,
                     eval_s: float) -> float:
     """Seconds of training steps for a budgeted attention stage inside a pipeline that should end at `deadline`
-    (epoch seconds): what is left from `train_start` once the rest of the pipeline is reserved, and at least the
-    stage's own budget. The rest: this stage's final evaluation and calibration's (each as long as the `eval_s`
+    (epoch seconds): what is left from `train_start` once the rest of the pipeline is reserved (at least a
+    minute), more or less than the stage's own budget. The rest: this stage's final evaluation and calibration's (each as long as the `eval_s`
     this stage's first one took), calibration's start-up (as long as this stage's: from `launched`, when the
     driver began the stage, to `train_start`, less that evaluation) and its budget, and 5% of the pipeline's
     budget for a pace that drifts after it was measured."""
     startup = max(0.0, train_start - launched - eval_s)
     reserve = 2 * eval_s + startup + 60 * cfg.calibration.time_budget_min + 3 * cfg.time_budget_min
-    return max(60 * cfg.attention.time_budget_min, deadline - reserve - train_start)
+    return max(MIN_BUDGET_S, deadline - reserve - train_start)
+
+
+MIN_BUDGET_S = 60.0  # a pipeline that left its attention stage less still gets a drafter (and ends that late)
 
 
 def _lr_lambda(tc: TrainConfig, plan: StepPlan):
