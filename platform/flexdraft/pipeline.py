@@ -107,7 +107,7 @@ class PipelineConfig:
     # distill keeps its own budget, and a budgeted attention stage then trains until only what the rest needs is
     # left (its final evaluation, calibration's start-up, budget and evaluation), more or less than its own
     # time_budget_min, so a faster machine spends the time a slower one needs on more steps and a slower one ends
-    # in time. 0 = every stage keeps its own budget; a stage run alone always does (jobs.deadline_budget)
+    # in time. 0 = every stage keeps its own budget; a stage run alone always does (budget.deadline_budget)
     time_budget_min: float = 30.0
     mlflow_experiment: str = "flexdraft-training"
 
