@@ -11,11 +11,13 @@ import torch
 from conftest import make_tiny_hf
 from flexdraft.config import RuntimeConfig
 from flexdraft.drafter import Drafter, DrafterConfig, read_drafter_meta, load_drafter
-from flexdraft.engine import CostModel, Engine, EngineConfig, Plan, chain_trie, monotone, parallel_forward, trie_nodes
+from flexdraft.engine import Engine, EngineConfig, parallel_forward
 from flexdraft.errors import FlexDraftError
 from flexdraft.generate import SamplingParams, filtered_logits, generate, prefill
 from flexdraft.lookup import NgramIndex, NgramStore
 from flexdraft.models.loading import load_model
+from flexdraft.spec.policy import CostModel, Plan, monotone
+from flexdraft.spec.trees import chain_trie, trie_nodes
 from flexdraft.training import Sequences, training_step
 
 CPU32 = RuntimeConfig(device="cpu", dtype="float32", threads=1, cpu_prepack=False)

@@ -1,5 +1,5 @@
 """The FlexDraft drafter: tuned attention projectors in the target's deepest layers, drafting a block of
-mask tokens over the target's own KV cache (DESIGN.md sections 3 and 4).
+mask tokens over the target's own KV cache (docs/design.md).
 
 Shapes: R = rows (sequences), N = block slots per row (all blocks of a row, concatenated), S = cached
 prefix slots visible, d = model width, L = target layers, s = L - k = first tuned layer, e = entry layer.

@@ -1,4 +1,4 @@
-"""The FlexDraft decoding engine (DESIGN.md section 5): lossless speculative decoding with a drafter that
+"""The FlexDraft decoding engine (docs/design.md): lossless speculative decoding with a drafter that
 drafts over the target's own KV cache, in sequential or parallel mode, with continuous batching.
 
 Shapes: n = active rows (rows 0..n-1 of every buffer and of the cache), Bv = drafts verified this step
@@ -24,7 +24,6 @@ the target's distribution; the drafts only decide how many of them one forward y
 from __future__ import annotations
 
 import itertools
-import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -35,8 +34,10 @@ from flexdraft.drafter import Drafter
 from flexdraft.errors import FlexDraftError
 from flexdraft.generate import (Generation, SamplingParams, argmax_tokens, draw, filtered_logits, make_generator,
                                 prefill, sample, top_logprobs)
-from flexdraft.lookup import PRIOR_ACCEPTED, STORE_PRIOR_ACCEPTED, NgramIndex, NgramStore
+from flexdraft.lookup import NgramIndex, NgramStore
 from flexdraft.models.transformer import Linear, Transformer, attend, grouped_bias
+from flexdraft.spec.policy import AcceptanceModel, CostModel, Plan, monotone
+from flexdraft.spec.trees import chain_trie, draft_tree, tree_ancestors, tree_sample, tree_tokens, tree_walk
 
 MODES = ("ar", "sequential", "tree", "parallel", "lookup", "adaptive")
 NO_DRAFTER = ("ar", "lookup")  # the modes that run without a drafter
@@ -115,164 +116,6 @@ class _Request:
     forwards: int = 0  # target forwards after the prefill (AR or verify steps)
     finish_reason: str | None = None
     index: NgramIndex | None = None  # its prompt and tokens, for lookup drafts
-
-
-def monotone(points: dict[tuple[int, int], float]) -> dict[tuple[int, int], float]:
-    """{(rows, tokens per row): seconds} -> the same with each value at most that of every point with as many or
-    more rows and tokens."""
-    return {(n, t): min(s for (n2, t2), s in points.items() if n2 >= n and t2 >= t) for (n, t) in points}
-
-
-class AcceptanceModel:
-    """Running estimate of P(draft j accepted | drafts 1..j-1 accepted) for sequential (bonus known), tree
-    (bonus known, a token tree verified) and parallel (masked slot 0, calibrated) drafts. Prior, worth
-    `weight` verified blocks: a constant rate r per draft whose expected accepted length sum_j r^j matches
-    the drafter's validation tau (bonus / mask calibrated / tree of N nodes) when it has one, else r = 0.5.
-    Without a validation tau for its size, a tree of N nodes starts from the sequential prior's expected
-    accepted drafts times 1 + 0.13 log2(N / 4): what trees of 8 / 16 / 32 nodes added over the chain on the
-    default SmolLM2 drafter's validation split (+13% / +25% / +35%, 1,856 blocks). Prompt-lookup drafts count
-    apart by the size n of the n-gram that matched (kind `lookup<n>`, from `lookup.PRIOR_ACCEPTED`; a store chain
-    verified beside them counts there too), store drafts of rows without a prompt match by the size behind
-    their first draft (kind `store<n>`, from `lookup.STORE_PRIOR_ACCEPTED`)."""
-
-    KINDS = ("sequential", "tree", "parallel")
-
-    def __init__(self, block: int, prior: dict | None = None, weight: float = 20.0, tree_nodes: int = 8):
-        self.block, self.weight = block, weight
-        self.tried = {k: torch.full((block,), weight, dtype=torch.float64) for k in self.KINDS}
-        self.passed = {}
-        prior = prior or {}
-        for kind, key in (("sequential", "bonus"), ("tree", "bonus"), ("parallel", "mask_calibrated")):
-            tau = prior.get(f"eval/{key}/tau")
-            rate = self._rate_for(tau - 1, block) if tau else 0.5
-            if kind == "tree":
-                tree_tau = prior.get(f"eval/bonus/tau_tree{tree_nodes}")
-                gain = 1 + 0.13 * math.log2(max(tree_nodes, 4) / 4)
-                accepted = tree_tau - 1 if tree_tau else gain * sum(rate ** j for j in range(1, block + 1))
-                rate = self._rate_for(accepted, block)
-            self.passed[kind] = torch.full((block,), weight * rate, dtype=torch.float64)
-
-    @staticmethod
-    def _rate_for(mean_accepted: float, block: int) -> float:
-        """r in [0, 1) with sum_{j=1..block} r^j = mean_accepted (bisection)."""
-        lo, hi = 0.0, 0.999
-        for _ in range(50):
-            mid = (lo + hi) / 2
-            if sum(mid ** j for j in range(1, block + 1)) < mean_accepted:
-                lo = mid
-            else:
-                hi = mid
-        return lo
-
-    def _lookup_kind(self, kind: str) -> None:
-        if kind not in self.tried:  # lookup<n> / store<n>: a rate whose expected accepted of 8 drafts is the prior's
-            prior = STORE_PRIOR_ACCEPTED if kind.startswith("store") else PRIOR_ACCEPTED
-            size = int(kind.removeprefix("store").removeprefix("lookup"))
-            rate = self._rate_for(prior[min(max(size, min(prior)), max(prior))], 8)
-            self.tried[kind] = torch.full((self.block,), self.weight, dtype=torch.float64)
-            self.passed[kind] = self.tried[kind] * rate
-
-    def record(self, kind: str, block: int, accepted: list[int]) -> None:
-        self._lookup_kind(kind)
-        for a in accepted:
-            n = min(a + 1, block)  # drafts 1..a passed, draft a+1 (if any) failed
-            self.tried[kind][:n] += 1
-            self.passed[kind][:a] += 1
-
-    def expected_accepted(self, kind: str, block: int) -> float:
-        return float(self._at_least(kind, block)[1:].sum())
-
-    def length_distribution(self, kind: str, block: int) -> torch.Tensor:
-        """[block + 1]: P(accepted = a) for a = 0..block."""
-        ge = self._at_least(kind, block)
-        return ge - torch.cat((ge[1:], ge.new_zeros(1)))
-
-    def _at_least(self, kind: str, block: int) -> torch.Tensor:
-        """[block + 1]: P(accepted >= a) for a = 0..block."""
-        self._lookup_kind(kind)
-        rate = self.passed[kind][:block] / self.tried[kind][:block]
-        return torch.cat((rate.new_ones(1), rate.cumprod(0)))
-
-
-class CostModel:
-    """Seconds of a forward of each kind ("target": AR or verify, "draft": a sequential drafter pass,
-    "parallel": verify + branches) as a function of the rows it carries and the tokens per row, on this device.
-    Before lookup steps it was kept by total tokens and the target measured at 1 and B + 1 tokens per row only,
-    so a 16-row verify of 2 tokens each was priced as the 4-row x 9-token forward it was measured as.
-
-    `Engine.profile` measures each kind over a grid of row counts x tokens per row; between grid points the
-    time is linear in tokens per row along a measured row count, then linear in rows between the two nearest
-    row counts (beyond the largest: proportional to rows). The profile fixes the *relative* costs the policy
-    compares. Timed forwards while serving only move one common `scale` (how loaded the machine is now), never
-    one kind alone: a burst of noise during a few AR steps must not make the policy lock onto a mode it then
-    never re-measures against. Without a profile, timed forwards fill the grid directly."""
-
-    KINDS = ("target", "draft", "parallel")
-
-    def __init__(self):
-        self.points: dict[str, dict[tuple[int, int], float]] = {k: {} for k in self.KINDS}  # (rows, tokens) -> s
-        self.profiled = False
-        self.scale = 1.0
-        # mode -> seconds per step outside the forwards (acceptance, sampling, branch choice, bookkeeping). They
-        # differ: at batch 1 on the 2-core CPU 0.3 ms for AR, 1.2 ms sequential, 3 ms parallel (top 2), and a
-        # shared estimate made AR look ~2.5 ms dearer than it is next to ~20 ms forwards
-        self.step_overhead: dict[str, float] = {}
-
-    def record_step(self, mode: str, seconds: float, forward_seconds: float) -> None:
-        x = max(seconds - forward_seconds, 0.0)
-        old = self.step_overhead.get(mode)
-        self.step_overhead[mode] = x if old is None else 0.9 * old + 0.1 * x
-
-    def overhead(self, mode: str) -> float:
-        """A mode not run yet borrows the smallest overhead seen (optimistic: it gets tried, then measured)."""
-        return self.step_overhead.get(mode, min(self.step_overhead.values(), default=0.0))
-
-    def set_profile(self, points: dict[str, dict[tuple[int, int], float]]) -> None:
-        self.points = {k: dict(points.get(k, {})) for k in self.KINDS}
-        self.profiled, self.scale = True, 1.0
-
-    def record(self, kind: str, rows: int, tokens: int, seconds: float) -> None:
-        """A timed forward of `rows` rows x `tokens` tokens each."""
-        if self.profiled:
-            self.scale = 0.95 * self.scale + 0.05 * seconds / max(self._interpolate(kind, rows, tokens), 1e-9)
-            return
-        pts = self.points[kind]
-        old = pts.get((rows, tokens))
-        pts[(rows, tokens)] = seconds if old is None else 0.8 * old + 0.2 * seconds
-
-    def known(self, kind: str) -> bool:
-        return bool(self.points[kind])
-
-    def seconds(self, kind: str, rows: int, tokens: int) -> float:
-        return self.scale * self._interpolate(kind, rows, tokens)
-
-    def _interpolate(self, kind: str, rows: int, tokens: int) -> float:
-        counts = sorted({r for r, _ in self.points[kind]})
-        lo, hi = [r for r in counts if r <= rows], [r for r in counts if r >= rows]
-        if not hi:  # more rows than ever measured: proportional
-            return self._along(kind, lo[-1], tokens) * rows / lo[-1]
-        if not lo:
-            return self._along(kind, hi[0], tokens)
-        a, b = self._along(kind, lo[-1], tokens), self._along(kind, hi[0], tokens)
-        return a if lo[-1] == hi[0] else a + (b - a) * (rows - lo[-1]) / (hi[0] - lo[-1])
-
-    def _along(self, kind: str, rows: int, tokens: int) -> float:
-        """Piecewise linear in tokens per row over the sizes measured at this row count (extended linearly)."""
-        line = sorted((t, s) for (r, t), s in self.points[kind].items() if r == rows)
-        if len(line) == 1:
-            return line[0][1] * max(tokens / line[0][0], 1.0)
-        i = next((i for i in range(1, len(line) - 1) if tokens <= line[i][0]), len(line) - 1)
-        (t0, s0), (t1, s1) = line[i - 1], line[i]
-        return max(s0 + (s1 - s0) * (tokens - t0) / (t1 - t0), 0.0)
-
-
-@dataclass(frozen=True)
-class Plan:
-    """What one step does: mode, drafts verified per row (tree: the tree's depth at most), and (parallel) the
-    most branches kept per row."""
-    mode: str
-    block: int = 0
-    branches: int = 0  # 0 = as the config's top_m / rho decide
 
 
 class Engine:
@@ -941,109 +784,6 @@ class Engine:
         for g in results:
             g.seconds = seconds
         return results
-
-
-def draft_tree(logp: torch.Tensor, N: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The token tree a tree step verifies per row: logp [n, Bv, K], each draft slot's top-K log-probabilities
-    (descending) -> the (at most) N paths of highest draft probability prod_j q_j(token_j) (EAGLE-2's rule
-    over the block drafter's per-slot distributions), as depth, parent, rank [n, N']: verify token i + 1 is
-    slot depth[i]'s rank[i]-th candidate, its parent is verify token parent[i] (0: the bonus). Nodes are
-    sorted by depth, so a parent always comes before its children."""
-    n, Bv, K = logp.shape
-    dev = logp.device
-    score = logp.new_zeros(n, 1)  # the frontier: the best nodes of the last depth (the bonus at first)
-    ids = torch.full((n, 1), -1, dtype=torch.long, device=dev)
-    scores, parents, ranks, depths, count = [], [], [], [], 0
-    for j in range(Bv):
-        # a child scores strictly below its parent, so the best N overall always include their ancestors;
-        # and only the best N of a depth can have children among them
-        child = (score[:, :, None] + logp[:, j, None, :] - 1e-4).flatten(1)  # [n, F * K]
-        top = child.topk(min(N, child.shape[1]), dim=-1)
-        F = top.values.shape[1]
-        scores.append(top.values)
-        parents.append(ids.gather(1, top.indices // K))
-        ranks.append(top.indices % K)
-        depths.append(torch.full((n, F), j + 1, dtype=torch.long, device=dev))
-        score, ids = top.values, count + torch.arange(F, device=dev).expand(n, F)
-        count += F
-    keep = torch.cat(scores, 1).topk(min(N, count), dim=-1).indices.sort(-1).values  # [n, N']: ids ascend by depth
-    verify_index = torch.zeros(n, count + 1, dtype=torch.long, device=dev)  # node id + 1 -> verify token index
-    verify_index.scatter_(1, keep + 1, torch.arange(1, keep.shape[1] + 1, device=dev).expand_as(keep))
-    parent = verify_index.gather(1, torch.cat(parents, 1).gather(1, keep) + 1)
-    return torch.cat(depths, 1).gather(1, keep), parent, torch.cat(ranks, 1).gather(1, keep)
-
-
-def tree_tokens(cand: torch.Tensor, depth: torch.Tensor, rank: torch.Tensor) -> torch.Tensor:
-    """cand [n, Bv, K] (each slot's top-K drafts), a `draft_tree`'s depth and rank [n, N] -> node tokens [n, N]."""
-    return cand.flatten(1).gather(1, (depth - 1) * cand.shape[-1] + rank)
-
-
-def trie_nodes(chains: list[list[int]]) -> list[tuple]:
-    """The nodes of the token trie of some chains: every distinct non-empty prefix, by depth (parents first)."""
-    return sorted({tuple(c[:j]) for c in chains for j in range(1, len(c) + 1)}, key=lambda p: (len(p), p))
-
-
-def chain_trie(chains: list[list[list[int]]], fill: list[int], device) -> tuple[torch.Tensor, torch.Tensor,
-                                                                              torch.Tensor]:
-    """Per row its candidate chains (lookup drafts) merged into one token trie, a shared prefix once -> depth,
-    parent, tokens [n, N] as `draft_tree` and `tree_tokens` give them (nodes sorted by depth; parent 0 = the
-    bonus). Rows with fewer nodes than the largest are padded with depth-1 nodes holding their `fill` token:
-    like any node they are verified, so an accepted one is the target's own token."""
-    rows = []
-    for row_chains in chains:
-        index: dict[tuple, int] = {}  # prefix -> its node's verify index
-        nodes = []  # (depth, parent, token)
-        for prefix in trie_nodes(row_chains):
-            index[prefix] = len(nodes) + 1
-            nodes.append((len(prefix), index.get(prefix[:-1], 0), prefix[-1]))
-        rows.append(nodes)
-    N = max(1, *map(len, rows))
-    table = torch.tensor([r + [(1, 0, f)] * (N - len(r)) for r, f in zip(rows, fill)], dtype=torch.long, device=device)
-    return table[..., 0], table[..., 1], table[..., 2]
-
-
-def tree_sample(p: torch.Tensor, tokens: torch.Tensor, parent: torch.Tensor, generator) -> tuple[int, int]:
-    """A sampled row's walk of its token tree: p [N + 1, V] the target's (filtered) distributions after each
-    verify token, tokens [N + 1] (0: the bonus), parent [N] -> (the accepted node's verify index, the next
-    token). Speculative sampling with deterministic drafts (q a point mass on the draft): a node's children
-    are tried in order, child c accepted with probability r(c), where r is p at the node with the rejected
-    children's mass removed and renormalised; if every child is rejected (or there is none) the next token is
-    drawn from r. Each emitted token is therefore distributed exactly as p given the tokens before it."""
-    children: list[list[int]] = [[] for _ in range(tokens.shape[0])]
-    for i, par in enumerate(parent.tolist()):
-        children[par].append(i + 1)
-    node, r = 0, p[0]
-    while True:
-        for c in children[node]:
-            t = tokens[c]
-            if torch.rand((), generator=generator, device=r.device) * r.sum() < r[t]:
-                node, r = c, p[c]
-                break
-            r = r.clone()
-            r[t] = 0  # rejected: the remaining mass is r without t (it is > 0: t did not hold all of it)
-        else:
-            return node, int(draw(r, generator))
-
-
-def tree_ancestors(parent: torch.Tensor) -> torch.Tensor:
-    """parent [n, N] (verify token i + 1's parent; 0 = the bonus, the root) -> [n, N + 1, N + 1] bool: entry
-    (i, a) says verify token a is token i or one of its ancestors."""
-    n, N = parent.shape
-    par = torch.cat((parent.new_zeros(n, 1), parent), dim=1)  # the root is its own parent
-    anc = torch.eye(N + 1, dtype=torch.bool, device=parent.device).expand(n, -1, -1).clone()
-    rows = torch.arange(n, device=parent.device)
-    for i in range(1, N + 1):  # parents come first: their rows are complete
-        anc[:, i] |= anc[rows, par[:, i]]
-    return anc
-
-
-def tree_walk(match: torch.Tensor, anc: torch.Tensor, depth: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """match [n, N]: node i's token is the target's greedy token after its parent; anc from `tree_ancestors`;
-    depth [n, N] -> (accepted [n]: depth of the deepest node whose whole path matches, node [n]: its verify
-    index, 0 = the bonus). Siblings hold different tokens, so at most one node per depth matches."""
-    match = torch.cat((torch.ones_like(match[:, :1]), match), dim=1)  # the bonus is given
-    on_path = ~(anc & ~match[:, None, :]).any(-1)  # [n, N + 1]: every node from the root to i matches
-    return torch.where(on_path, torch.cat((depth.new_zeros(depth.shape[0], 1), depth), dim=1), -1).max(-1)
 
 
 def parallel_forward(target: Transformer, drafter: Drafter, tokens: torch.Tensor, pos: torch.Tensor, cache,

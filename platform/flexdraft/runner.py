@@ -1,6 +1,6 @@
 """Assembling a ready engine: target model, drafter (a path, the default pipeline's, or `init`), engine config
 and the adaptive policy's cost profile (measured once per model/drafter/device/dtype/threads, then cached).
-Used by the CLI, the speculative benchmark and (later) the Serve deployment."""
+Used by the CLI and the benchmark harness."""
 from __future__ import annotations
 
 import hashlib
@@ -13,11 +13,12 @@ import torch
 
 from flexdraft.config import RuntimeConfig, data_dir
 from flexdraft.drafter import Drafter, DrafterConfig, load_drafter, read_drafter_meta, weights_fingerprint
-from flexdraft.engine import NO_DRAFTER, CostModel, Engine, EngineConfig
+from flexdraft.engine import NO_DRAFTER, Engine, EngineConfig
 from flexdraft.errors import FlexDraftError
 from flexdraft.lookup import NgramStore
 from flexdraft.models.loading import LoadedModel, load_model
 from flexdraft.pipeline import PipelineConfig
+from flexdraft.spec.policy import CostModel
 
 
 PROFILE_FORMAT = 15  # bump when Engine.profile measures other shapes or passes, or forwards get faster: cached profiles are redone

@@ -1,5 +1,5 @@
 """Training and evaluating the drafter on self-distilled sequences (plain PyTorch; the Ray Train/DeepSpeed
-wiring is in train_job.py).
+wiring is in jobs.py).
 
 Per batch of sequences: one frozen target forward without gradients gives the KV cache of every layer and
 the target's next-token logits; then many blocks per sequence, anchored at random answer positions, go
@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 
 from flexdraft.drafter import Drafter
-from flexdraft.engine import draft_tree, tree_ancestors, tree_tokens, tree_walk
 from flexdraft.errors import FlexDraftError
 from flexdraft.generate import argmax_tokens, top_logprobs
 from flexdraft.models.transformer import KVCache, Transformer
+from flexdraft.spec.trees import draft_tree, tree_ancestors, tree_tokens, tree_walk
 
 
 @dataclass

@@ -1,0 +1,1 @@
+"""Speculative decoding's parts that need no engine: the adaptive policy's models and token trees."""
