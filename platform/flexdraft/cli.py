@@ -262,7 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def setup_logging() -> None:
-    """FlexDraft's own log lines (e.g. the runtime `auto` resolved to) on stderr; other libraries keep theirs."""
+    """FlexDraft's warnings (e.g. bf16 emulated on this CPU) on stderr as one line each; other libraries keep
+    their own. The commands print their progress themselves."""
     import logging
 
     logger = logging.getLogger("flexdraft")
@@ -270,7 +271,7 @@ def setup_logging() -> None:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("[%(name)s] %(message)s"))
         logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
+        logger.setLevel(logging.WARNING)
         logger.propagate = False
 
 

@@ -253,7 +253,9 @@ def train_func(config: dict) -> None:
         mlflow.set_tracking_uri(config["mlflow_uri"])
         mlflow.start_run(run_id=config["mlflow_run_id"])
         if start == 0:
-            mlflow.log_params({"train_sequences_rank0": len(train_rows), "world_size": world})
+            mlflow.log_params({"train_sequences_rank0": len(train_rows), "world_size": world,
+                               "resolved_dtype": runtime.dtype_name()})
+            log(stage, f"{world} workers on {device.type}, dtype {tc.dtype} -> {runtime.dtype_name()}")
 
     def report(metrics: dict, step: int, save: bool) -> None:
         if mlflow is not None:

@@ -113,6 +113,9 @@ def load_engine(model: str, runtime: RuntimeConfig, drafter_spec: str | None, cf
     store, source = resolve_store(store_spec, model, lm.model.args.vocab_size) if cfg.lookup else (None, "")
     if source and cfg.mode in ("lookup", "adaptive"):
         note = note[:-1] + f"; n-gram store {source}]"
+    m = lm.model
+    note = note[:-1] + (f"; {m.device.type} {str(m.dtype).removeprefix('torch.')} (dtype {runtime.dtype}), "
+                        f"prepacked {m.lm_head.packed is not None}]")
     engine = Engine(lm.model, choice.drafter if cfg.mode not in NO_DRAFTER else None, cfg, lm.eos_token_ids,
                     acceptance_prior=choice.prior, store=store)
     return lm, engine, note
