@@ -24,16 +24,38 @@ def _add_runtime_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch threads on CPU (default 0: one per core)")
 
 
+def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """The EngineConfig fields that are flags, with the config's defaults and help: one place for both."""
+    import dataclasses
+
+    from flexdraft.engine import MODES, EngineConfig
+
+    p.add_argument("--mode", choices=MODES,
+                   help="decoding mode (default: adaptive when a drafter is available, else ar)")
+    for f in dataclasses.fields(EngineConfig):
+        if "help" in f.metadata:
+            p.add_argument(f.metadata["flag"] or "--" + f.name.replace("_", "-"), dest=f.name, type=type(f.default),
+                           default=f.default, help=f"{f.metadata['help']} (default {f.default})")
+
+
+def _engine_config(args):
+    import dataclasses
+
+    from flexdraft.engine import EngineConfig
+
+    knobs = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if "help" in f.metadata}
+    return EngineConfig(mode=args.mode or "adaptive", **knobs)
+
+
 def cmd_generate(args) -> None:
     from flexdraft.data import chat_ids, read_prompts_file, text_ids
-    from flexdraft.engine import EngineConfig
     from flexdraft.generate import SamplingParams, check_prompts
     from flexdraft.runner import load_engine, seed_costs
 
     if (args.prompt is None) == (args.prompts_file is None):
         raise FlexDraftError("give exactly one of --prompt TEXT or --prompts-file F.jsonl")
-    if args.batch_size < 1:
-        raise FlexDraftError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.max_batch < 1:
+        raise FlexDraftError(f"--batch-size must be >= 1, got {args.max_batch}")
     sampling_flag = args.temperature is not None or args.top_p is not None or args.top_k is not None
     params = SamplingParams(
         max_new_tokens=args.max_new_tokens,
@@ -42,9 +64,7 @@ def cmd_generate(args) -> None:
         top_p=args.top_p if args.top_p is not None else 1.0,
         seed=args.seed,
     )
-    cfg = EngineConfig(mode=args.mode or "adaptive", block_size=args.block_size, switch_batch=args.switch_batch,
-                       top_m=args.top_m, rho=args.rho, tree_nodes=args.tree_nodes, lookup=args.lookup,
-                       max_batch=args.batch_size, max_len=args.max_len)
+    cfg = _engine_config(args)
     lm, engine, note = load_engine(args.model, _runtime(args), args.drafter, cfg, mode_given=args.mode is not None,
                                    store_spec=args.store)
     tok = lm.tokenizer
@@ -197,25 +217,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="wrap --prompt as a user message in the chat template")
     g.add_argument("--prompts-file", help="JSONL: {prompt} | {messages} | {prompt_token_ids} per line")
     g.add_argument("--max-new-tokens", type=int, default=128)
-    g.add_argument("--batch-size", type=int, default=8, help="rows decoded together (continuous batching)")
     g.add_argument("--temperature", type=float)
     g.add_argument("--top-p", type=float)
     g.add_argument("--top-k", type=int)
     g.add_argument("--seed", type=int)
-    g.add_argument("--mode", choices=["ar", "sequential", "tree", "parallel", "lookup", "adaptive"],
-                   help="decoding mode (default: adaptive when a drafter is available, else ar)")
     g.add_argument("--drafter", help="drafter folder, or 'init' (untrained); default: the default pipeline's")
-    g.add_argument("--block-size", type=int, default=0, help="drafts verified per step (0 = the drafter's)")
-    g.add_argument("--switch-batch", type=int, default=4, help="adaptive: parallel mode at <= this many rows")
-    g.add_argument("--top-m", type=int, default=0, help="parallel: keep at most m branches per row (0 = all)")
-    g.add_argument("--rho", type=float, default=1.0, help="parallel: keep branches covering this mass")
-    g.add_argument("--tree-nodes", type=int, default=8,
-                   help="tree (and adaptive): drafts verified per row as a token tree (0 = no trees)")
-    g.add_argument("--lookup", type=int, default=4,
-                   help="prompt-lookup drafts from n-grams of up to this size (lookup, adaptive; 0 = none)")
     g.add_argument("--store", help="n-gram store for lookup steps: a store file, a distill folder, or 'none' "
                                    "(default: the default pipeline's distilled data, when it exists)")
-    g.add_argument("--max-len", type=int, default=0, help="cache slots per row (0: min(2048, context))")
+    _add_engine_flags(g)
     g.add_argument("--json", action="store_true", help="one JSON line per prompt, in input order")
     g.set_defaults(func=cmd_generate)
 

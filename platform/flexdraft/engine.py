@@ -23,6 +23,7 @@ the target's distribution; the drafts only decide how many of them one forward y
 """
 from __future__ import annotations
 
+import enum
 import itertools
 import time
 from collections import deque
@@ -39,25 +40,41 @@ from flexdraft.models.transformer import Linear, Transformer, attend, grouped_bi
 from flexdraft.spec.policy import AcceptanceModel, CostModel, Plan, monotone
 from flexdraft.spec.trees import chain_trie, draft_tree, tree_ancestors, tree_sample, tree_tokens, tree_walk
 
-MODES = ("ar", "sequential", "tree", "parallel", "lookup", "adaptive")
-NO_DRAFTER = ("ar", "lookup")  # the modes that run without a drafter
+class Mode(str, enum.Enum):
+    """Decoding modes; a str, so configs and comparisons take the plain names."""
+    AR = "ar"
+    SEQUENTIAL = "sequential"
+    TREE = "tree"
+    PARALLEL = "parallel"
+    LOOKUP = "lookup"
+    ADAPTIVE = "adaptive"
+
+
+MODES = tuple(m.value for m in Mode)
+NO_DRAFTER = (Mode.AR.value, Mode.LOOKUP.value)  # the modes that run without a drafter
+
+
+def _knob(default, help_: str, flag: str = ""):
+    """A config field that is also a `flexdraft generate` flag (`flag`, default: --field-name), help included."""
+    return field(default=default, metadata={"help": help_, "flag": flag})
 
 
 @dataclass
 class EngineConfig:
-    mode: str = "adaptive"  # ar | sequential | tree | parallel | lookup | adaptive
-    block_size: int = 0  # drafts verified per step; 0 = the drafter's block size (at most that; lookup alone: 8)
-    switch_batch: int = 4  # S: adaptive runs parallel mode at <= S active rows, sequential above
-    top_m: int = 0  # parallel: keep at most the m most probable branches per row; 0 = no cap
-    rho: float = 1.0  # parallel: keep the most probable branches until they cover this mass; 1 = all
+    mode: str = "adaptive"  # one of MODES
+    block_size: int = _knob(0, "drafts verified per step (0 = the drafter's block size; lookup alone: 8)")
+    switch_batch: int = _knob(4, "S: adaptive runs parallel mode at <= this many rows, sequential above")
+    top_m: int = _knob(0, "parallel: keep at most the m most probable branches per row (0 = no cap)")
+    rho: float = _knob(1.0, "parallel: keep the most probable branches until they cover this mass (1 = all)")
     calibrate: bool = True  # parallel: correct the taken branch with the now-known bonus
     cost_model: bool = True  # adaptive: per step, pick AR / sequential / tree / parallel and Bv by measured cost
-    tree_nodes: int = 8  # tree mode (and adaptive's tree option): drafts verified per row as a token tree; 0 = none
+    tree_nodes: int = _knob(8, "tree (and adaptive): drafts verified per row as a token tree (0 = no trees)")
     tree_width: int = 4  # a tree's depth-j nodes are among slot j's top tree_width drafts
-    lookup: int = 4  # prompt-lookup drafts from n-grams of up to this size: adaptive weighs a lookup step every
-    #                  step (with the cost model), mode lookup takes one whenever a row has a match; 0 = none
-    max_batch: int = 16  # rows decoded together; further requests wait
-    max_len: int = 0  # cache slots per row (see Engine.slots_needed); 0 = min(2048, context)
+    # adaptive weighs a lookup step every step (with the cost model), mode lookup takes one whenever a row has a match
+    lookup: int = _knob(4, "prompt-lookup drafts from n-grams of up to this size (lookup, adaptive; 0 = none)")
+    max_batch: int = _knob(16, "rows decoded together (continuous batching); further requests wait",
+                           flag="--batch-size")
+    max_len: int = _knob(0, "cache slots per row (0: min(2048, context); see Engine.slots_needed)")
 
     def check(self, drafter: Drafter | None, context: int) -> None:
         if self.mode not in MODES:

@@ -109,7 +109,7 @@ def load_engine(model: str, runtime: RuntimeConfig, drafter_spec: str | None, cf
     if choice.source:
         note = f"[drafter: {choice.source}; mode {cfg.mode}]"
     else:
-        note = f"[no drafter (the default {default_drafter_dir()} does not exist): mode ar]"
+        note = f"[no drafter (the default {default_drafter_dir()} does not exist): mode {cfg.mode}]"
     store, source = resolve_store(store_spec, model, lm.model.args.vocab_size) if cfg.lookup else (None, "")
     if source and cfg.mode in ("lookup", "adaptive"):
         note = note[:-1] + f"; n-gram store {source}]"
