@@ -50,7 +50,7 @@ def _engine_config(args):
 def cmd_generate(args) -> None:
     from flexdraft.data import chat_ids, read_prompts_file, text_ids
     from flexdraft.generate import SamplingParams, check_prompts
-    from flexdraft.runner import load_engine, seed_costs
+    from flexdraft.runner import load_engine
 
     if (args.prompt is None) == (args.prompts_file is None):
         raise FlexDraftError("give exactly one of --prompt TEXT or --prompts-file F.jsonl")
@@ -81,7 +81,6 @@ def cmd_generate(args) -> None:
                                  f"{need - len(p) - params.max_new_tokens} verify and branch slots exceed "
                                  f"--max-len {cfg.max_len}")
     print(note, file=sys.stderr)
-    seed_costs(engine)
     gens = engine.generate(prompts, params)
     total_tokens = sum(len(g.token_ids) for g in gens)
     total_time = sum(g.seconds for g in gens)

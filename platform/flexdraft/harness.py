@@ -28,7 +28,7 @@ from flexdraft.engine import NO_DRAFTER, Engine, EngineConfig
 from flexdraft.errors import FlexDraftError
 from flexdraft.generate import SamplingParams, generate
 from flexdraft.models.loading import load_model
-from flexdraft.runner import resolve_drafter, resolve_store, seed_costs
+from flexdraft.runner import build_engine, resolve_drafter, resolve_store
 
 
 @dataclass(frozen=True)
@@ -142,10 +142,7 @@ def _engine(lm, choice, store, cfg: HarnessConfig, method: str, batch: int, max_
     overrides = {k: (cfg.top_m if k == "top_m" else v) for k, v in METHODS[method].engine}
     ec = EngineConfig(max_batch=batch, max_len=max_len, switch_batch=cfg.switch_batch, tree_nodes=cfg.tree_nodes,
                       **overrides)
-    engine = Engine(lm.model, choice.drafter if ec.mode not in NO_DRAFTER else None, ec, lm.eos_token_ids,
-                    choice.prior, store if METHODS[method].store else None)
-    seed_costs(engine)
-    return engine
+    return build_engine(lm, choice, ec, store if METHODS[method].store else None)
 
 
 def _engines(lm, choice, store, cfg: HarnessConfig, batch: int, max_len: int) -> dict[str, Engine]:

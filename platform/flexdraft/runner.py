@@ -97,11 +97,19 @@ def seed_costs(engine: Engine, log=lambda s: print(s, file=sys.stderr)) -> None:
                                 for k, pts in engine.costs.points.items()}))  # "rows x tokens per row": seconds
 
 
+def build_engine(lm: LoadedModel, choice: DrafterChoice, cfg: EngineConfig, store: NgramStore | None) -> Engine:
+    """An engine over a loaded model: the drafter where the mode uses one, seeded with the drafter's validation
+    agreement, and (adaptive) the cost profile `seed_costs` loads or measures."""
+    engine = Engine(lm.model, choice.drafter if cfg.mode not in NO_DRAFTER else None, cfg, lm.eos_token_ids,
+                    acceptance_prior=choice.prior, store=store)
+    seed_costs(engine)
+    return engine
+
+
 def load_engine(model: str, runtime: RuntimeConfig, drafter_spec: str | None, cfg: EngineConfig,
                 mode_given: bool = True, store_spec: str | None = None) -> tuple[LoadedModel, Engine, str]:
-    """-> (model, engine, a note saying which drafter, n-gram store and mode). Without an explicit mode:
-    adaptive when a drafter is available, else AR. The adaptive policy's costs are not seeded here: see
-    `seed_costs`."""
+    """-> (model, ready engine, a note saying which drafter, n-gram store, mode and runtime). Without an
+    explicit mode: adaptive when a drafter is available, else AR."""
     lm = load_model(model, runtime)
     choice = resolve_drafter(drafter_spec, lm.model, required=cfg.mode not in NO_DRAFTER and mode_given)
     if not mode_given:
@@ -116,6 +124,4 @@ def load_engine(model: str, runtime: RuntimeConfig, drafter_spec: str | None, cf
     m = lm.model
     note = note[:-1] + (f"; {m.device.type} {str(m.dtype).removeprefix('torch.')} (dtype {runtime.dtype}), "
                         f"prepacked {m.lm_head.packed is not None}]")
-    engine = Engine(lm.model, choice.drafter if cfg.mode not in NO_DRAFTER else None, cfg, lm.eos_token_ids,
-                    acceptance_prior=choice.prior, store=store)
-    return lm, engine, note
+    return lm, build_engine(lm, choice, cfg, store), note
