@@ -12,8 +12,7 @@ from flexdraft.harness import HarnessConfig, run_harness, summary_table
 from flexdraft.pipeline import PipelineConfig
 from flexdraft.tracking import tracking_uri
 
-# A short run of the harness (5 min on the AMD dev machine before ar-control joined; 14.7 min on the ~3x slower
-# Intel one with it and SDPA attention, profiles included); `flexdraft bench` runs every method.
+# A short run of the harness (~15-20 min on a 2-core CPU); `flexdraft bench` runs every method.
 DEMO_BENCH = dict(batch_sizes=[1, 4, 16], samples=4, max_new_tokens=48, profile=False,
                   methods=["ar", "ar-control", "hf-generate", "hf-prompt-lookup", "lookup", "sequential", "tree",
                            "parallel-pruned", "adaptive-drafter", "adaptive-no-store", "adaptive"])

@@ -91,10 +91,8 @@ class CalibrationMLP(nn.Module):
 class PairedAttention:
     """Inference only: a tuned layer's target and drafter projectors read in one GEMM for q/k/v and one for o,
     over every block slot; a clean slot keeps the target's half, the others the drafter's. At batch 1 the
-    drafter pass is dominated by per-call costs: 2 GEMMs per tuned layer instead of 8 (the clean slot's
-    one-row calls next to the block's) took it from 25.8 to 21.7 ms (SmolLM2, k = 24, bf16, same outputs), and
-    picking each slot's half of q/k/v before the head reshapes and rope (one rope, not two) another 6-8% at 1, 4
-    and 16 rows (the Intel machine, bitwise the same outputs).
+    drafter pass is dominated by per-call costs: 2 GEMMs per tuned layer instead of 8, and each slot's half of
+    q/k/v is picked before the head reshapes and rope (one rope, not two); the outputs are the same.
     The concatenated weights are copies: pair again after changing the drafter's."""
 
     def __init__(self, target_attn: Attention, drafter_attn: Attention):

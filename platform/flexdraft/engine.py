@@ -320,12 +320,9 @@ class Engine:
             return self._lookup_plan(n, rate * (self.LOOKUP_MARGIN if plan.mode == "ar" else 1.0)) or plan
         return plan
 
-    # A lookup step replaces a planned AR step only if it promises 50% more tokens/s. On the 2-core CPU, at 15-16
-    # rows lookup steps that promised 10-25% over AR measured 5-20% under it (with MT-Bench's long contexts a
-    # multi-token verify costs more, next to a one-token step, than in the profile taken at 256 cached tokens),
-    # and with a 25% margin adaptive still measured 0.95x of AR at batch 16 (mean of 3 datasets) where adaptive
-    # without lookup measured 0.98x in the same run. Against a speculative plan (a multi-token verify too) the
-    # bias cancels and no margin applies; where verifying tokens is nearly free (a GPU) lookup promises more.
+    # A lookup step replaces a planned AR step only if it promises 50% more tokens/s: with long contexts a
+    # multi-token verify costs more, next to a one-token step, than the profile (taken at 256 cached tokens) says
+    # (docs/decoding.md). Against a speculative plan (a multi-token verify too) the bias cancels: no margin.
     LOOKUP_MARGIN = 1.5
 
     def _propose(self, n: int, first: list[int] | None = None) -> bool:
@@ -423,8 +420,7 @@ class Engine:
                 best, best_rate = Plan("tree", B), rate
         for Bv in (self.block_sizes if rule == "parallel" else ()):
             p_len = acc.length_distribution("parallel", Bv).sort(descending=True).values
-            # rows without drafts get a sequential drafter pass first (bonus-known drafts) and pay for it: after
-            # lookup steps, parallel steps priced without it measured 41 tok/s at batch 1 against AR's 46
+            # rows without drafts get a sequential drafter pass first (bonus-known drafts) and pay for it
             tokens = ((n - fresh) * (1 + acc.expected_accepted("parallel", Bv))
                       + fresh * (1 + acc.expected_accepted("sequential", Bv)))
             first = costs.seconds("draft", fresh, Bv + 1) if fresh else 0.0

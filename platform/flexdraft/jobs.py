@@ -213,9 +213,8 @@ def train_func(config: dict) -> None:
     device = ray.train.torch.get_device()
     runtime = RuntimeConfig(device=str(device), dtype=tc.train_dtype(device.type),
                             threads=cfg.workers.threads_per_worker, cpu_prepack=False,
-                            # the block pass: one kernel for every worker and restart; a whole step on SDPA
-                            # measured 1.01-1.02x the time of math (Intel Xeon, bf16: its backward is slow);
-                            # the frozen target pass always takes SDPA (training.target_pass)
+                            # the block pass: one kernel for every worker and restart (SDPA's CPU backward
+                            # is slow); the frozen target pass always takes SDPA (training.target_pass)
                             cpu_attention="math")
     dtype = runtime.torch_dtype()
     lm = load_model(cfg.model, runtime, with_tokenizer=False)

@@ -43,8 +43,7 @@ def target_pass(target: Transformer, seqs: Sequences, sdpa: bool = True) -> tupl
     """The frozen target over whole sequences -> (its KV cache, final hidden states [R, T, d]).
     Padding sits after each row's tokens, so causal attention keeps it out of every real token.
     On SDPA by default, even where training pins the math path for the block pass: this pass has no backward
-    (SDPA's slow part on CPU), and a fixed choice, unlike a timed one, is the same in every worker and restart. On
-    the Intel Xeon a bf16 attention-tuning step took 0.93x the time with it (median of 13 paired steps).
+    (SDPA's slow part on CPU), and a fixed choice, unlike a timed one, is the same in every worker and restart.
     sdpa=False: the model's own kernel, the block pass's (evaluation: see agreement_counts)."""
     R, T = seqs.tokens.shape
     cache = target.new_cache(R, T)
@@ -207,9 +206,8 @@ def agreement_counts(drafter: Drafter, target: Transformer, seqs: Sequences, str
     target argmax, and the summed agreeing-prefix length, over strided anchors; with the bonus known, also the
     drafts token trees of TREES nodes would accept. Sums, so workers can add.
     The target's tokens come from the block pass's own kernel, as in the engine, where one kernel serves the
-    verify and the drafter pass: a known bonus's draft d_1 then is the target's argmax bitwise. Scored against an
-    SDPA pass beside a math block pass (bf16, the AMD machine), 1.5-1.8% of d_1 disagreed at near-ties and the
-    bonus-known tau read 0.03 low (2.616 against 2.645 for one drafter, 735 blocks)."""
+    verify and the drafter pass: a known bonus's draft d_1 then is the target's argmax bitwise (two kernels
+    disagree at bf16 near-ties, which would read tau low)."""
     B = drafter.config.block_size
     cache, h = target_pass(target, seqs, sdpa=False)
     anchors, valid = strided_anchors(seqs, B, stride, max_anchors)

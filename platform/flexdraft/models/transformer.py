@@ -117,8 +117,8 @@ def grouped_bias(mask: torch.Tensor, group: int) -> torch.Tensor:
 def grouped_attention(q, k, v, bias):
     """Explicit-matmul GQA attention, q [B, H, T, D], k/v [B, Hkv, S, D], bias from `grouped_bias` -> [B, H, T, D].
 
-    For bf16/fp16 on CPUs where SDPA's CPU kernel is slow for a few query tokens (AMD EPYC with AVX512-BF16:
-    batch 16, 1 query, 200 keys, bf16: 2.9 ms against 0.3 ms per layer); `cpu_attention_kernel` decides.
+    For bf16/fp16 on CPUs where SDPA's CPU kernel is slow for a few query tokens (up to 10x on some AVX512-BF16
+    CPUs); `cpu_attention_kernel` decides.
     Query head h uses key/value head h // group, as in SDPA's enable_gqa; the softmax runs in fp32.
     """
     B, H, T, D = q.shape
@@ -137,9 +137,8 @@ _KERNEL_CHOICE: dict[tuple, str] = {}
 def cpu_attention_kernel(args: ModelArgs, dtype: torch.dtype) -> str:
     """"sdpa" or "math": whichever attention runs this model's heads faster on this CPU in `dtype`, timed once per
     process and shape (best of 5, ~30 ms in all) over a decode step at 16 rows, a 9-token verify at 1 row
-    (256 cached keys each) and a 64-token prefill at 4 rows. The kernels disagree by machine: on an AMD EPYC
-    (AVX512-BF16) SDPA took 10x longer for one query at 16 rows; on an Intel Xeon with AMX it is 1.5-6x faster
-    at every shape measured, prefill included."""
+    (256 cached keys each) and a 64-token prefill at 4 rows. Timed, not assumed: which is faster differs by CPU
+    (measurements: docs/runtime.md)."""
     H, Hkv, D = args.n_heads, args.n_kv_heads, args.head_dim
     key = (H, Hkv, D, dtype, torch.get_num_threads())
     if key not in _KERNEL_CHOICE:
@@ -168,10 +167,10 @@ def cpu_attention_kernel(args: ModelArgs, dtype: torch.dtype) -> str:
 class Linear(nn.Linear):
     """nn.Linear that, for CPU inference, can run on a oneDNN-prepacked copy of its weight.
 
-    Prepacking (what inductor's freezing does) makes decode-sized GEMMs 1.5-2x faster here (bf16, 576x1536,
-    batch 16: 0.21 ms against 0.38 ms), results equal to F.linear's up to summation order. A single row
-    (batch-1 decode) is pathologically slow on the packed bf16 path (30 ms), so it goes in as two rows in
-    bf16 (0.16 ms against F.linear's 0.24 ms) and through F.linear in fp32 (where padding does not pay).
+    Prepacking (what inductor's freezing does) makes decode-sized GEMMs 1.5-2x faster, results equal to
+    F.linear's up to summation order. A single row (batch-1 decode) is pathologically slow on the packed bf16
+    path, so it goes in as two rows in bf16 and through F.linear in fp32 (where padding does not pay). Only for
+    the dtypes the hardware probe says oneDNN can pack (`Transformer.to_runtime`).
     Inference only: no gradient reaches `weight` through the packed copy (training leaves `packed` None).
     """
 
@@ -198,9 +197,8 @@ class Linear(nn.Linear):
         out.weight.data = w
         if out.bias is not None:
             out.bias.data = torch.cat([m.bias.detach() for m in linears])
-        # frozen: a copy's gradient reaches no original anyway. Left trainable (until 2026-12-02), it made autograd
-        # record every block layer of attention tuning and compute weight gradients for the target's fused q/k/v
-        # and gate/up in all of them: 15% of a step (bf16, one thread, k = 24), for gradients nothing read
+        # frozen: a copy's gradient reaches no original, and a trainable one makes autograd record (and pay for)
+        # weight gradients of the target's fused projections in every block layer of attention tuning
         out.requires_grad_(False)
         if pack:
             out.pack()

@@ -89,9 +89,8 @@ class AcceptanceModel:
 
 class CostModel:
     """Seconds of a forward of each kind ("target": AR or verify, "draft": a sequential drafter pass,
-    "parallel": verify + branches) as a function of the rows it carries and the tokens per row, on this device.
-    Before lookup steps it was kept by total tokens and the target measured at 1 and B + 1 tokens per row only,
-    so a 16-row verify of 2 tokens each was priced as the 4-row x 9-token forward it was measured as.
+    "parallel": verify + branches) as a function of the rows it carries and the tokens per row, on this device
+    (not of total tokens: a 16-row verify of 2 tokens each costs other than 4 rows x 9 tokens).
 
     `Engine.profile` measures each kind over a grid of row counts x tokens per row; between grid points the
     time is linear in tokens per row along a measured row count, then linear in rows between the two nearest
