@@ -38,7 +38,7 @@ demo: $(STAMP)
 	$(VENV)/bin/flexdraft demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 bench: $(STAMP)
 	$(VENV)/bin/flexdraft bench

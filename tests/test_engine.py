@@ -69,7 +69,8 @@ def drafters(tiny):
             training_step(trained, tiny, seqs, stage, 16, "ce", 0.8, g).loss.backward()
             opt.step()
     trained.requires_grad_(False)
-    return {"untrained": untrained, "random": random, "random-entry1-causal": entry1, "trained": trained}
+    return {name: d.to_runtime(tiny) for name, d in
+            {"untrained": untrained, "random": random, "random-entry1-causal": entry1, "trained": trained}.items()}
 
 
 class OracleEngine(Engine):
@@ -306,6 +307,7 @@ def test_speculative_sampling_follows_the_target_distribution(tmp_path, top_p):
     with torch.no_grad():
         for p in drafter.parameters():
             p.add_(torch.randn_like(p) * 0.5)
+    drafter.to_runtime(model)
     prompt = [3, 7, 5, 9]
     exact = exact_distribution(model, prompt, SamplingParams(temperature=1.0, top_p=top_p), 3)
     N = 6000
@@ -381,6 +383,8 @@ def test_bad_input_is_named_and_the_engine_keeps_serving(tiny, drafters):
         Engine(tiny, drafters["random"], EngineConfig(block_size=9))
     with pytest.raises(FlexDraftError, match="needs a drafter"):
         Engine(tiny, None, EngineConfig(mode="parallel"))
+    with pytest.raises(FlexDraftError, match=r"not ready for inference: call drafter.to_runtime\(target\)"):
+        Engine(tiny, Drafter.from_target(tiny, DrafterConfig(k=2, block_size=4)), EngineConfig(mode="sequential"))
 
 
 DEFAULT_DRAFTER = Path.home() / ".flexdraft/pipelines/smollm2-default/drafter"
@@ -393,10 +397,10 @@ def test_real_model_greedy_lossless_with_trained_drafter(real_lm, gsm8k_prompts)
     (else an untrained one: losslessness holds for any drafter)."""
     model = real_lm.model
     if (DEFAULT_DRAFTER / "drafter.json").is_file():
-        drafter = load_drafter(DEFAULT_DRAFTER, model)
+        drafter = load_drafter(DEFAULT_DRAFTER, model).to_runtime(model)
         prior = read_drafter_meta(DEFAULT_DRAFTER).get("eval")
     else:
-        drafter, prior = Drafter.from_target(model, DrafterConfig()), None
+        drafter, prior = Drafter.from_target(model, DrafterConfig()).to_runtime(model), None
     prompts = gsm8k_prompts[:4]
     params = SamplingParams(max_new_tokens=32)
     ref = [g.token_ids for g in generate(model, prompts, params, real_lm.eos_token_ids)]
@@ -410,7 +414,8 @@ def default_or_init_drafter(model):
     from flexdraft.runner import resolve_drafter
 
     choice = resolve_drafter(None, model, required=False)
-    return (choice.drafter, choice.prior) if choice.drafter else (Drafter.from_target(model, DrafterConfig()), None)
+    return ((choice.drafter, choice.prior) if choice.drafter
+            else (Drafter.from_target(model, DrafterConfig()).to_runtime(model), None))
 
 
 NEAR_TIE = 0.5  # logits; 2 bf16 ulps at |logit| in [32, 64), the range of SmolLM2's top logits

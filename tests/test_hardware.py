@@ -67,7 +67,7 @@ def test_without_fast_paths_the_engine_runs_plain_linears_and_stays_lossless(tin
         with torch.no_grad():
             for p in drafter.parameters():
                 p.add_(torch.randn_like(p) * 0.3)
-        engine = Engine(target, drafter, EngineConfig(mode="parallel", max_batch=3))
+        engine = Engine(target, drafter.to_runtime(target), EngineConfig(mode="parallel", max_batch=3))
         assert packed(target) == [] and packed(drafter) == []
         ours = [g.token_ids for g in engine.generate(prompts, params)]
         assert ours == [g.token_ids for g in generate(target, prompts, params)]

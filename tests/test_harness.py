@@ -69,7 +69,7 @@ def test_harness_run_is_lossless_and_complete(tmp_path, mlflow_uri, real_folder)
     cfg = HarnessConfig(model=str(real_folder), drafter="init", dtype="float32", threads=1,
                         datasets=["mt-bench", "math"], samples=2, batch_sizes=[1, 2], max_new_tokens=8,
                         answer_tokens=8, all_branches_max_batch=1, profile=True, output_dir=str(tmp_path / "out"))
-    results = run_harness(cfg, log=lambda s: None)
+    results = run_harness(cfg)
     rows = results["rows"]
     assert {(r["dataset"], r["batch"], r["method"]) for r in rows} == {
         ("mt-bench", b, m) for b in (1, 2) for m in METHODS}
@@ -111,7 +111,7 @@ def test_sampled_harness_run_reports_speed_without_comparing_rows(tmp_path, mlfl
                         samples=2, batch_sizes=[2], max_new_tokens=8, temperature=0.8, top_p=0.95,
                         methods=["ar", "hf-generate", "lookup", "adaptive"], profile=False,
                         output_dir=str(tmp_path / "out"))
-    rows = run_harness(cfg, log=lambda s: None)["rows"]
+    rows = run_harness(cfg)["rows"]
     assert [r["skipped"] for r in rows if "skipped" in r] == ["the transformers methods run greedy only here"]
     ran = [r for r in rows if "skipped" not in r]
     assert {r["method"] for r in ran} == {"ar", "lookup", "adaptive"}

@@ -6,6 +6,7 @@ import json
 import sys
 from pathlib import Path
 
+from flexdraft import logs
 from flexdraft.errors import FlexDraftError
 
 FULL_BENCH_CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "bench" / "full.yaml")
@@ -269,23 +270,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def setup_logging() -> None:
-    """FlexDraft's warnings (e.g. bf16 emulated on this CPU) on stderr as one line each; other libraries keep
-    their own. The commands print their progress themselves."""
-    import logging
-
-    logger = logging.getLogger("flexdraft")
-    if not logger.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("[%(name)s] %(message)s"))
-        logger.addHandler(handler)
-        logger.setLevel(logging.WARNING)
-        logger.propagate = False
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    setup_logging()
+    logs.setup()
     try:
         args.func(args)
     except FlexDraftError as e:

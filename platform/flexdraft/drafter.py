@@ -165,11 +165,24 @@ class Drafter(nn.Module):
         return [p for p in self.parameters() if p.requires_grad]
 
     def pair_with(self, target: Transformer) -> None:
-        """Inference only (the engine calls it): read each tuned layer's target and drafter projectors in one
-        GEMM (`PairedAttention`). Training keeps the unpaired path, which runs the target's projectors on the
-        clean slots alone."""
+        """Inference only: read each tuned layer's target and drafter projectors in one GEMM
+        (`PairedAttention`). Training keeps the unpaired path, which runs the target's projectors on the clean
+        slots alone."""
         self.paired = [PairedAttention(target.layers[self.first_tuned + i].self_attn, attn)
                        for i, attn in enumerate(self.attn)]
+
+    def to_runtime(self, target: Transformer) -> "Drafter":
+        """Ready for inference beside a target made ready by `Transformer.to_runtime`: its linear layers
+        prepacked where the target's are, its projectors paired with the target's. Again after any change to
+        its weights (the packed and paired copies do not follow)."""
+        pack = target.lm_head.packed is not None
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.packed = None
+                if pack:
+                    module.pack()
+        self.pair_with(target)
+        return self
 
     @staticmethod
     def clean_slots(causal: torch.Tensor, tuned: torch.Tensor, clean: torch.Tensor | None):

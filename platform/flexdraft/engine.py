@@ -36,7 +36,7 @@ from flexdraft.errors import FlexDraftError
 from flexdraft.generate import (Generation, SamplingParams, argmax_tokens, draw, filtered_logits, make_generator,
                                 prefill, sample, top_logprobs)
 from flexdraft.lookup import NgramIndex, NgramStore
-from flexdraft.models.transformer import Linear, Transformer, attend, grouped_bias
+from flexdraft.models.transformer import Transformer, attend, grouped_bias
 from flexdraft.spec.policy import AcceptanceModel, CostModel, Plan, monotone
 from flexdraft.spec.trees import chain_trie, draft_tree, tree_ancestors, tree_sample, tree_tokens, tree_walk
 
@@ -145,12 +145,10 @@ class Engine:
                  acceptance_prior: dict | None = None, store: NgramStore | None = None):
         config.check(drafter, target.args.max_position_embeddings)
         self.target, self.drafter, self.config = target, drafter, config
-        if drafter is not None and target.lm_head.packed is not None:  # the target runs on prepacked weights
-            for module in drafter.modules():
-                if isinstance(module, Linear):
-                    module.pack()
+        if drafter is not None and drafter.paired is None:
+            raise FlexDraftError("the drafter is not ready for inference: call drafter.to_runtime(target) first "
+                                 "(runner.resolve_drafter does)")
         if drafter is not None:
-            drafter.pair_with(target)
             self.B = config.block_size or drafter.config.block_size
         else:
             self.B = (config.block_size or 8) if config.mode == "lookup" else 0

@@ -13,7 +13,6 @@ refuses bf16 prepacking as it does there, and the probe sees it.
 from __future__ import annotations
 
 import functools
-import logging
 import os
 import platform
 from dataclasses import dataclass
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-log = logging.getLogger("flexdraft")
+from flexdraft import logs
 
 # oneDNN's ISA names in ascending order (its ONEDNN_MAX_CPU_ISA values); native bf16 starts at AVX512_CORE_BF16
 _ONEDNN_ISAS = ["SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI",
@@ -114,5 +113,5 @@ def probe() -> Capabilities:
 def warn_emulated_bf16() -> None:
     """Said once per process: an explicit bfloat16 on a CPU without native bf16 runs correctly, but slowly."""
     caps = probe()
-    log.warning("bfloat16 on this CPU (%s, %s) is emulated: correct, but slower than float32; dtype auto picks "
+    logs.get("hardware").warning("bfloat16 on this CPU (%s, %s) is emulated: correct, but slower than float32; dtype auto picks "
                 "float32 here", caps.cpu_name, caps.cpu_isa)

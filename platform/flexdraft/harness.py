@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from flexdraft import logs
 from flexdraft.bench import hf_generate, load_hf, markdown, timed
 from flexdraft.config import RuntimeConfig, data_dir, load_yaml
 from flexdraft.data import BENCH_DATASETS, UNAVAILABLE_DATASETS, bench_prompts, check_datasets
@@ -29,6 +30,9 @@ from flexdraft.errors import FlexDraftError
 from flexdraft.generate import SamplingParams, generate
 from flexdraft.models.loading import load_model
 from flexdraft.runner import build_engine, resolve_drafter, resolve_store
+
+
+log = logs.get("bench")
 
 
 @dataclass(frozen=True)
@@ -158,8 +162,9 @@ def lockstep(engines: dict[str, Engine], prompts: list[list[int]], params: Sampl
     steps per mode, accepted drafts per verified row, and per draft position j how often it was verified
     after j-1 accepted drafts and accepted."""
     ids = {name: [e.add_request(p, params) for p in prompts] for name, e in engines.items()}
-    res = {name: {"seconds": 0.0, "forward": {}, "plans": {}, "modes": {}, "accepted": [],
-                  "reached": [0] * (e.B + 1), "taken": [0] * (e.B + 1)} for name, e in engines.items()}
+    res = {name: {"seconds": 0.0, "forward": {}, "plans": {}, "modes": {}, "accepted": [], "pruned": 0,
+                  "parallel_rows": 0, "reached": [0] * (e.B + 1), "taken": [0] * (e.B + 1)}
+           for name, e in engines.items()}
     order, rng = list(engines), random.Random(0)
     while any(e.has_work() for e in engines.values()):
         rng.shuffle(order)
@@ -177,6 +182,9 @@ def lockstep(engines: dict[str, Engine], prompts: list[list[int]], params: Sampl
             for k, v in s.forward_seconds.items():
                 r["forward"][k] = r["forward"].get(k, 0.0) + v
             r["accepted"] += s.accepted
+            if s.mode == "parallel":
+                r["pruned"] += s.pruned_misses
+                r["parallel_rows"] += s.rows
             for a in s.accepted:
                 for j in range(1, s.block + 1):
                     if a < j - 1:
@@ -188,8 +196,7 @@ def lockstep(engines: dict[str, Engine], prompts: list[list[int]], params: Sampl
         forwards = sum(g.extra["forwards"] for g in gens)  # target forwards after each row's prefill
         res[name].update(outputs=[g.token_ids for g in gens],
                          tau=(sum(len(g.token_ids) for g in gens) - len(gens)) / max(forwards, 1),
-                         misses=engine.totals["pruned_misses"] / max(engine.totals["parallel_rows"], 1))
-        engine.totals.update(pruned_misses=0, parallel_rows=0)
+                         misses=res[name]["pruned"] / max(res[name]["parallel_rows"], 1))
     return res
 
 
@@ -285,7 +292,7 @@ def step_profile(engine: Engine, prompt: list[int], steps: int = 5, rows: int = 
 
 # -------------------------------------------------------------------------------------------- the run
 
-def run_harness(cfg: HarnessConfig, log=print) -> dict:
+def run_harness(cfg: HarnessConfig) -> dict:
     """Run every dataset x batch size x method; write results.{json,md} and plots to the output folder and
     log them to MLflow. -> the results dict (also in results.json)."""
     import mlflow
@@ -304,8 +311,8 @@ def run_harness(cfg: HarnessConfig, log=print) -> dict:
     datasets = check_datasets(cfg.datasets)
     unavailable = {d: UNAVAILABLE_DATASETS[d] for d in cfg.datasets if d in UNAVAILABLE_DATASETS}
     for d, why in unavailable.items():
-        log(f"[bench] {d}: unavailable ({why}); not run, nothing substituted")
-    log(f"[bench] {cfg.model} {cfg.dtype} on {lm.model.device}, {torch.get_num_threads()} thread(s); drafter "
+        log.info(f"{d}: unavailable ({why}); not run, nothing substituted")
+    log.info(f"{cfg.model} {str(lm.model.dtype).removeprefix('torch.')} (dtype {cfg.dtype}) on {lm.model.device}, {torch.get_num_threads()} thread(s); drafter "
         f"{choice.source or 'none'}; n-gram store {store_source or 'none'}; {len(datasets)} dataset(s) x batch "
         f"{cfg.batch_sizes} x {len(cfg.methods)} methods")
 
@@ -315,7 +322,7 @@ def run_harness(cfg: HarnessConfig, log=print) -> dict:
     prompts = {}
     for d in datasets:
         prompts[d] = [p.ids for p in bench_prompts(d, lm.tokenizer, n, cfg.seed, answer)]
-        log(f"[bench] {d}: {len(prompts[d])} prompts, {min(map(len, prompts[d]))}-{max(map(len, prompts[d]))} tokens")
+        log.info(f"{d}: {len(prompts[d])} prompts, {min(map(len, prompts[d]))}-{max(map(len, prompts[d]))} tokens")
     B = choice.drafter.config.block_size if choice.drafter is not None else 8  # (lookup alone: 8 drafts)
     max_len = min(lm.model.args.max_position_embeddings,  # (the step profile decodes up to 64 tokens)
                   max(len(p) for ps in prompts.values() for p in ps) + max(cfg.max_new_tokens, 64) + (B + 1) + (B + 1) ** 2)
@@ -329,12 +336,12 @@ def run_harness(cfg: HarnessConfig, log=print) -> dict:
             engines = _engines(lm, choice, store, cfg, batch, max_len)
             for di, d in enumerate(datasets):
                 cell = prompts[d][:max(cfg.samples, batch)]
-                log(f"[bench {bi * len(datasets) + di + 1}/{cells}] {d}, batch {batch}, {len(cell)} prompts, "
+                log.info(f"{bi * len(datasets) + di + 1}/{cells}: {d}, batch {batch}, {len(cell)} prompts, "
                     f"<= {cfg.max_new_tokens} new tokens each")
                 for row in run_cell(engines, hf, cell, batch, cfg):
                     row["dataset"] = d
                     rows.append(row)
-                    log("    " + _line(row))
+                    log.info("    " + _line(row))
                     if "skipped" not in row:
                         tag = f"{d}.{row['method']}.b{batch}"
                         mlflow.log_metrics({f"{k}.{tag}": row[k] for k in ("tok_s", "speedup_ar", "tau",
@@ -357,8 +364,8 @@ def run_harness(cfg: HarnessConfig, log=print) -> dict:
                             for b, v in per.items()})
         mlflow.log_artifacts(str(out))
         if results["noise_floor"]:
-            log(f"[bench] {results['noise_floor']}")
-        log(f"[bench] done in {results['seconds']:.0f}s: {out}/results.md, results.json, plots; MLflow run "
+            log.info(f"{results['noise_floor']}")
+        log.info(f"done in {results['seconds']:.0f}s: {out}/results.md, results.json, plots; MLflow run "
             f"{run.info.run_id} (experiment {cfg.mlflow_experiment})")
     return results
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from flexdraft import logs
 from flexdraft.budget import StepPlan, deadline_budget, lr_lambda
 from flexdraft.config import RuntimeConfig, from_dict
 from flexdraft.drafter import FORMAT
@@ -30,10 +31,7 @@ STAGES = ("attention", "calibration")
 
 
 def log(stage: str, msg: str) -> None:
-    # not print: in Ray Train's workers print is patched to go to Train's logger and, where Ray has wrapped
-    # stdout (it has), to stdout too, so a job's output showed every worker line twice
-    sys.stdout.write(f"[{stage}] {msg}\n")
-    sys.stdout.flush()
+    logs.get(stage).info(msg)  # not print: Ray Train patches it in workers, and each line showed twice
 
 
 def _model_args(cfg: PipelineConfig):

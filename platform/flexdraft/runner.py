@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
+from flexdraft import logs
 from flexdraft.config import RuntimeConfig, data_dir
 from flexdraft.drafter import Drafter, DrafterConfig, load_drafter, read_drafter_meta, weights_fingerprint
 from flexdraft.engine import NO_DRAFTER, Engine, EngineConfig
@@ -18,7 +18,6 @@ from flexdraft.errors import FlexDraftError
 from flexdraft.lookup import NgramStore
 from flexdraft.models.loading import LoadedModel, load_model
 from flexdraft.pipeline import PipelineConfig
-from flexdraft.spec.policy import CostModel
 
 
 PROFILE_FORMAT = 15  # bump when Engine.profile measures other shapes or passes, or forwards get faster: cached profiles are redone
@@ -38,16 +37,17 @@ class DrafterChoice:
 
 def resolve_drafter(spec: str | None, target, required: bool) -> DrafterChoice:
     """spec: a drafter folder, "init" (projectors copied from the target, calibration zero: lossless, slow),
-    or None = the default pipeline's drafter if it exists. required: a speculative mode was asked for."""
+    or None = the default pipeline's drafter if it exists, made ready for inference beside `target`.
+    required: a speculative mode was asked for."""
     if spec == "init":
-        return DrafterChoice(Drafter.from_target(target, DrafterConfig()), "init", None)
+        return DrafterChoice(Drafter.from_target(target, DrafterConfig()).to_runtime(target), "init", None)
     folder = Path(spec).expanduser() if spec else default_drafter_dir()
     if not spec and not (folder / "drafter.json").is_file():
         if required:
             raise FlexDraftError(f"no drafter given and the default one ({folder}) does not exist: train it with "
                                  "`flexdraft pipeline`, pass --drafter PATH, or --drafter init (untrained)")
         return DrafterChoice(None, "", None)
-    drafter = load_drafter(folder, target)
+    drafter = load_drafter(folder, target).to_runtime(target)
     return DrafterChoice(drafter, str(folder), read_drafter_meta(folder).get("eval"))
 
 
@@ -80,21 +80,17 @@ def profile_file(target, drafter: Drafter, cfg: EngineConfig) -> Path:
     return data_dir() / "profiles" / (hashlib.sha256(key.encode()).hexdigest()[:12] + ".json")
 
 
-def seed_costs(engine: Engine, log=lambda s: print(s, file=sys.stderr)) -> None:
+def seed_costs(engine: Engine) -> None:
     """Adaptive engines: load the cached cost profile, or measure it (a few seconds) and cache it."""
     if engine.config.mode != "adaptive" or not engine.config.cost_model:
         return
     path = profile_file(engine.target, engine.drafter, engine.config)
     if path.is_file():
-        points = json.loads(path.read_text())
-        engine.costs.set_profile({k: {tuple(map(int, key.split("x"))): t for key, t in points[k].items()}
-                                  for k in CostModel.KINDS})
+        engine.costs.load_profile(path)
         return
-    log(f"[profiling forwards for the adaptive policy; cached in {path}]")
+    logs.get("engine").info(f"profiling forwards for the adaptive policy; cached in {path}")
     engine.profile()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({k: {f"{rows}x{tokens}": t for (rows, tokens), t in pts.items()}
-                                for k, pts in engine.costs.points.items()}))  # "rows x tokens per row": seconds
+    engine.costs.save_profile(path)
 
 
 def build_engine(lm: LoadedModel, choice: DrafterChoice, cfg: EngineConfig, store: NgramStore | None) -> Engine:

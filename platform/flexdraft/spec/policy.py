@@ -2,8 +2,10 @@
 (`CostModel`), and what one step does (`Plan`). The engine asks them; they know nothing of the engine."""
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -122,6 +124,17 @@ class CostModel:
     def set_profile(self, points: dict[str, dict[tuple[int, int], float]]) -> None:
         self.points = {k: dict(points.get(k, {})) for k in self.KINDS}
         self.profiled, self.scale = True, 1.0
+
+    def save_profile(self, path: Path) -> None:
+        """The measured points as JSON: {kind: {"<rows>x<tokens per row>": seconds}}."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({k: {f"{rows}x{tokens}": t for (rows, tokens), t in pts.items()}
+                                    for k, pts in self.points.items()}))
+
+    def load_profile(self, path: Path) -> None:
+        points = json.loads(path.read_text())
+        self.set_profile({k: {tuple(map(int, key.split("x"))): t for key, t in points[k].items()}
+                          for k in self.KINDS})
 
     def record(self, kind: str, rows: int, tokens: int, seconds: float) -> None:
         """A timed forward of `rows` rows x `tokens` tokens each."""
