@@ -88,11 +88,11 @@ class OracleEngine(Engine):
             req = self.slots[row]
             ref = self.reference[tuple(req.prompt)][len(req.tokens):] + [0] * self.B
             drafts = torch.tensor(ref[: self.B]) + (1 if self.wrong else 0)
-            self.drafts[row, : self.B] = drafts % V
-            self.conf[row, : self.B] = 1.0
-            K = self.cand.shape[-1]  # tree candidates: the draft first, then tokens that are never right
-            self.cand[row, : self.B] = (drafts[:, None] + torch.arange(K) * (2 if self.wrong else 1)) % V
-            self.cand_logp[row, : self.B] = -torch.arange(K, dtype=torch.float32)
+            self.state.drafts[row, : self.B] = drafts % V
+            self.state.conf[row, : self.B] = 1.0
+            K = self.state.cand.shape[-1]  # tree candidates: the draft first, then tokens that are never right
+            self.state.cand[row, : self.B] = (drafts[:, None] + torch.arange(K) * (2 if self.wrong else 1)) % V
+            self.state.cand_logp[row, : self.B] = -torch.arange(K, dtype=torch.float32)
 
 
 @pytest.mark.parametrize("batch", [1, 3, 16])
@@ -181,14 +181,14 @@ class SecondChoiceEngine(Engine):
 
     def _set_drafts(self, rows, logits, from_branch=False):
         super()._set_drafts(rows, logits, from_branch)
-        V, K = self.target.args.vocab_size, self.cand.shape[-1]
+        V, K = self.target.args.vocab_size, self.state.cand.shape[-1]
         for row in rows.tolist():
             req = self.slots[row]
             ref = torch.tensor((self.reference[tuple(req.prompt)][len(req.tokens):] + [0] * self.B)[: self.B])
             cand = (ref[:, None] + torch.arange(max(K, 2))) % V  # [B, K]: the reference first
             cand[self.second - 1, :2] = cand[self.second - 1, :2].flip(0)  # ... except at slot `second`
-            self.cand[row, : self.B], self.drafts[row, : self.B] = cand[:, :K], cand[:, 0]
-            self.cand_logp[row, : self.B] = torch.tensor([-0.1, -0.2, -5.0, -5.0][:K] + [-5.0] * (K - 4))
+            self.state.cand[row, : self.B], self.state.drafts[row, : self.B] = cand[:, :K], cand[:, 0]
+            self.state.cand_logp[row, : self.B] = torch.tensor([-0.1, -0.2, -5.0, -5.0][:K] + [-5.0] * (K - 4))
 
 
 def test_tree_accepts_a_path_through_a_second_choice(tiny, drafters):
@@ -462,7 +462,7 @@ def test_adaptive_policy_follows_the_measured_costs(tiny, drafters):
         return e
 
     cheap, costly = engine(0.005, 0.01, tree_nodes=0), engine(0.1, 0.1)
-    cheap.ndrafts[:1] = cheap.B  # a row holding drafts (see below for rows without)
+    cheap.state.ndrafts[:1] = cheap.B  # a row holding drafts (see below for rows without)
     assert cheap._choose(1).mode == "parallel" and cheap._choose(5).mode == "sequential"
     assert costly._choose(5) == costly._choose(1) == type(costly._choose(1))("ar")
     # token trees: worth it where a forward's cost hardly grows with its tokens, not where it grows fast
@@ -472,7 +472,7 @@ def test_adaptive_policy_follows_the_measured_costs(tiny, drafters):
     # lookup step) need a drafter pass first, and with a draft pass as dear as a target forward that is not worth it
     even = engine(0.01, 0.011, tree_nodes=0)
     assert even._choose(1).mode != "parallel"  # an idle engine's rows have no drafts
-    even.ndrafts[:1] = even.B
+    even.state.ndrafts[:1] = even.B
     assert even._choose(1).mode == "parallel"
     rule = Engine(tiny, drafters["trained"], EngineConfig(mode="adaptive", switch_batch=2, cost_model=False))
     assert [rule._choose(n).mode for n in (1, 2, 3)] == ["parallel", "parallel", "sequential"]

@@ -23,6 +23,7 @@ the target's distribution; the drafts only decide how many of them one forward y
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 import itertools
 import time
@@ -135,6 +136,35 @@ class _Request:
     index: NgramIndex | None = None  # its prompt and tokens, for lookup drafts
 
 
+@dataclass
+class RowState:
+    """What each cache row holds beside its cached tokens (row r of every tensor = cache row r); `move` covers
+    every field, so a new one cannot be forgotten when a finished row is filled."""
+    bonus: torch.Tensor  # [R] the last emitted token, not yet in the cache (it sits at position lens)
+    drafts: torch.Tensor  # [R, B] d_1.. for positions lens+1..
+    conf: torch.Tensor  # [R, B] fp32 q_j(d_j)
+    ndrafts: torch.Tensor  # [R] valid drafts per row (0: draft first)
+    from_branch: torch.Tensor  # [R] bool: a parallel branch made the drafts
+    cand: torch.Tensor  # [R, B, K] each draft slot's top-K candidates (token trees)
+    cand_logp: torch.Tensor  # [R, B, K] fp32, their log-probabilities
+    q: torch.Tensor | None = None  # [R, B, V] fp32 draft distributions, allocated for the first sampled request
+
+    @staticmethod
+    def empty(rows: int, block: int, tree_width: int, device) -> "RowState":
+        zeros = lambda *shape, dtype=torch.long: torch.zeros(*shape, dtype=dtype, device=device)
+        return RowState(bonus=zeros(rows), drafts=zeros(rows, block), conf=zeros(rows, block, dtype=torch.float32),
+                        ndrafts=zeros(rows), from_branch=zeros(rows, dtype=torch.bool),
+                        cand=zeros(rows, block, tree_width),
+                        cand_logp=zeros(rows, block, tree_width, dtype=torch.float32))
+
+    def move(self, src: int, dst: int) -> None:
+        """Row src's state into row dst."""
+        for f in dataclasses.fields(self):
+            t = getattr(self, f.name)
+            if t is not None:
+                t[dst] = t[src]
+
+
 class Engine:
     """Continuous-batching speculative decoder over preallocated buffers.
 
@@ -161,17 +191,9 @@ class Engine:
         self.eos = set(eos_token_ids)
         R, dev = config.max_batch, target.device
         self.cache = target.new_cache(R, config.max_len)
-        self.bonus = torch.zeros(R, dtype=torch.long, device=dev)
-        self.drafts = torch.zeros(R, max(self.B, 1), dtype=torch.long, device=dev)
-        self.conf = torch.zeros(R, max(self.B, 1), dtype=torch.float32, device=dev)  # q_j(d_j)
-        self.ndrafts = torch.zeros(R, dtype=torch.long, device=dev)  # valid drafts per row (0: draft first)
-        self.from_branch = torch.zeros(R, dtype=torch.bool, device=dev)
-        # token trees: each draft slot's top tree_width candidates and their log-probabilities
         self.trees = bool(self.B and config.tree_nodes and config.mode in ("tree", "adaptive"))
-        K = min(config.tree_width, target.args.vocab_size) if self.trees else 1
-        self.cand = torch.zeros(R, max(self.B, 1), K, dtype=torch.long, device=dev)
-        self.cand_logp = torch.zeros(R, max(self.B, 1), K, dtype=torch.float32, device=dev)
-        self.q: torch.Tensor | None = None  # [R, B, V] fp32 draft distributions, allocated for sampling
+        self.state = RowState.empty(R, max(self.B, 1), min(config.tree_width, target.args.vocab_size)
+                                    if self.trees else 1, dev)
         self.slots: list[_Request] = []  # request of cache row r
         self.waiting: deque[_Request] = deque()
         self.finished: dict[int, _Request] = {}
@@ -203,8 +225,8 @@ class Engine:
                                  f"exceeds the cache of {self.config.max_len} slots per row (engine max_len)")
         req = _Request(next(self._ids), prompt, params, make_generator(params, self.target.device),
                        index=NgramIndex(prompt, self.lookup) if self.lookup else None)
-        if not params.greedy and self.q is None and self.B:
-            self.q = torch.zeros(self.config.max_batch, self.B, V, device=self.target.device)
+        if not params.greedy and self.state.q is None and self.B:
+            self.state.q = torch.zeros(self.config.max_batch, self.B, V, device=self.target.device)
         self.waiting.append(req)
         return req.id
 
@@ -263,7 +285,7 @@ class Engine:
             plan = self._choose(n)
             stats.mode, stats.rows, stats.block = plan.mode, n, plan.block
             if plan.mode not in NO_DRAFTER:  # (lookup drafts: set by _verify, as a chain or a trie)
-                need = (self.ndrafts[:n] < plan.block).nonzero().squeeze(-1)
+                need = (self.state.ndrafts[:n] < plan.block).nonzero().squeeze(-1)
                 if need.numel():
                     stats.drafted_rows = need.numel()
                     self._draft(need, plan.block, stats)
@@ -310,7 +332,7 @@ class Engine:
         if not cfg.cost_model or not all(self.costs.known(k) for k in CostModel.KINDS):
             return Plan(rule, B)
         step = self.totals["steps"]
-        key = (n, int((self.ndrafts[:n] == 0).sum()))  # rows without drafts: fresh, pruned, after AR or lookup
+        key = (n, int((self.state.ndrafts[:n] == 0).sum()))  # rows without drafts: fresh, pruned, after AR or lookup
         if key not in self._plans or step - self._plans[key][2] >= 16:  # re-plan every 16 steps (costs drift slowly)
             self._plans[key] = (*self._plan(*key, rule), step)
         plan, rate, _ = self._plans[key]
@@ -389,15 +411,15 @@ class Engine:
         """Rows 0..n-1 get their (single) lookup chain, filled up to Bv with the row's bonus (a store chain can
         end early; a row without a match gets filler only), verified like any draft; sampled rows' q is the point
         mass on each draft (accepted with probability p(d_j))."""
-        chains = [((c[0] if c else []) + [b] * Bv)[:Bv] for (c, _), b in zip(self._proposals, self.bonus[:n].tolist())]
-        drafts = torch.tensor(chains, dtype=torch.long, device=self.drafts.device)  # [n, Bv]
-        self.drafts[:n, :Bv] = drafts
-        self.conf[:n, :Bv] = 1.0
-        self.ndrafts[:n] = Bv
-        self.from_branch[:n] = False
+        chains = [((c[0] if c else []) + [b] * Bv)[:Bv] for (c, _), b in zip(self._proposals, self.state.bonus[:n].tolist())]
+        drafts = torch.tensor(chains, dtype=torch.long, device=self.state.drafts.device)  # [n, Bv]
+        self.state.drafts[:n, :Bv] = drafts
+        self.state.conf[:n, :Bv] = 1.0
+        self.state.ndrafts[:n] = Bv
+        self.state.from_branch[:n] = False
         for row in range(n):
             if not self.slots[row].params.greedy:
-                self.q[row, :Bv] = torch.nn.functional.one_hot(drafts[row], self.q.shape[-1]).float()
+                self.state.q[row, :Bv] = torch.nn.functional.one_hot(drafts[row], self.state.q.shape[-1]).float()
 
     def _plan(self, n: int, fresh: int, rule: str) -> tuple[Plan, float]:
         """-> the best plan for n rows, `fresh` of them without drafts, and its expected tokens per second."""
@@ -452,8 +474,8 @@ class Engine:
         R, B = self.config.max_batch, self.B
         ctx = min(context, self.config.max_len - max((B + 1) * (B + 2), self.config.tree_nodes + 1))  # verify room
         self.cache.lens.fill_(ctx)
-        self.bonus.fill_(0)
-        self.drafts.fill_(0)
+        self.state.bonus.fill_(0)
+        self.state.drafts.fill_(0)
         blocks = sorted({2, 3, 5, B + 1} & set(range(2, B + 2)))  # the block lengths the policy weighs
         # + a lookup trie of two chains, measured with or without a store: engines that differ only in their store
         # share one cached profile (two profiles measured apart priced parallel steps apart by their noise)
@@ -504,8 +526,8 @@ class Engine:
         h = self._timed(stats, "prefill", lambda: prefill(self.target, view, [r.prompt for r in new]))
         self.slots.extend(new)
         first = self._sample(self.target.logits(h), rows)  # [k]
-        self.bonus[rows] = first
-        self.ndrafts[rows] = 0
+        self.state.bonus[rows] = first
+        self.state.ndrafts[rows] = 0
         for r, tok in zip(range(n0, n0 + len(new)), first.tolist()):
             self._emit(r, [tok], out)
         return len(new)
@@ -541,8 +563,8 @@ class Engine:
         Bv = logits.shape[1]
         cfg = self.config
         if self.trees:  # a tree step may come next: keep each slot's top candidates (the first is the draft)
-            logp, cand = top_logprobs(logits, self.cand.shape[-1])  # [r, Bv, K]
-            self.cand[rows, :Bv], self.cand_logp[rows, :Bv] = cand, logp
+            logp, cand = top_logprobs(logits, self.state.cand.shape[-1])  # [r, Bv, K]
+            self.state.cand[rows, :Bv], self.state.cand_logp[rows, :Bv] = cand, logp
             conf, drafts = logp[..., 0].exp(), cand[..., 0]
         elif cfg.mode == "parallel" or (cfg.mode == "adaptive" and len(self.slots) <= cfg.switch_batch):
             logp, drafts = top_logprobs(logits, 1)  # pruning weighs the confidences
@@ -556,11 +578,11 @@ class Engine:
                 q = filtered_logits(logits[i], req.params).softmax(-1)  # [Bv, V]
                 drafts[i] = draw(q, req.generator)
                 conf[i] = q.gather(-1, drafts[i][:, None]).squeeze(-1)
-                self.q[row, :Bv] = q
-        self.drafts[rows, :Bv] = drafts
-        self.conf[rows, :Bv] = conf
-        self.ndrafts[rows] = Bv
-        self.from_branch[rows] = from_branch
+                self.state.q[row, :Bv] = q
+        self.state.drafts[rows, :Bv] = drafts
+        self.state.conf[rows, :Bv] = conf
+        self.state.ndrafts[rows] = Bv
+        self.state.from_branch[rows] = from_branch
 
     def _draft(self, rows: torch.Tensor, Bv: int, stats: StepStats) -> None:
         """Sequential drafter pass for `rows`: slot 0 = their known bonus, slots 1..Bv draft."""
@@ -571,7 +593,7 @@ class Engine:
         """-> draft logits [r, Bv, V] of a block at each row's length (slot 0 = the bonus, at its position: its
         output, the target's own next token, is d_1)."""
         dev, T = self.target.device, Bv + 1
-        inputs = self.drafter.slot_inputs(self.target, self.bonus[rows], torch.ones_like(rows, dtype=torch.bool))
+        inputs = self.drafter.slot_inputs(self.target, self.state.bonus[rows], torch.ones_like(rows, dtype=torch.bool))
         first = int(rows[0])
         if torch.equal(rows, torch.arange(first, first + rows.numel(), device=dev)):  # contiguous: no copies
             h = self.drafter.forward_in_cache(self.target, inputs[:, :T], self.cache.rows(first, first + rows.numel()))
@@ -590,18 +612,18 @@ class Engine:
         emission, cache rollback by length."""
         mode, Bv = plan.mode, plan.block
         if mode == "tree":
-            depth, parent, rank = draft_tree(self.cand_logp[:n, :Bv], self.config.tree_nodes)  # [n, N]
-            nodes = tree_tokens(self.cand[:n, :Bv], depth, rank)
+            depth, parent, rank = draft_tree(self.state.cand_logp[:n, :Bv], self.config.tree_nodes)  # [n, N]
+            nodes = tree_tokens(self.state.cand[:n, :Bv], depth, rank)
             return self._verify_tree(n, Bv, depth, parent, nodes, ["tree"] * n, out, stats)
         if mode == "lookup" and any(len(chains) > 1 for chains, _ in self._proposals):  # verified as a token trie
             chains = [[c[:Bv] for c in cs] for cs, _ in self._proposals]
-            depth, parent, nodes = chain_trie(chains, self.bonus[:n].tolist(), self.target.device)
+            depth, parent, nodes = chain_trie(chains, self.state.bonus[:n].tolist(), self.target.device)
             return self._verify_tree(n, Bv, depth, parent, nodes, [k for _, k in self._proposals], out, stats)
         if mode == "lookup":
             self._set_lookup_drafts(n, Bv)
         dev, T = self.target.device, Bv + 1
         rows = torch.arange(n, device=dev)
-        tokens = torch.cat((self.bonus[:n, None], self.drafts[:n, :Bv]), dim=1)  # [n, T]
+        tokens = torch.cat((self.state.bonus[:n, None], self.state.drafts[:n, :Bv]), dim=1)  # [n, T]
         lens = self.cache.lens[:n].clone()
         pos = lens[:, None] + torch.arange(T, device=dev)
         view = self.cache.rows(0, n)
@@ -618,8 +640,8 @@ class Engine:
         elif mode == "lookup":  # counted by n-gram size; rows without a match verified filler: not counted
             kinds = [kind for _, kind in self._proposals]
         else:
-            kinds = ["parallel" if b else "sequential" for b in self.from_branch[:n].tolist()]
-        self._commit(n, lens, accepted, new_bonus, self.drafts[:n, :Bv], kinds, Bv, out, stats)
+            kinds = ["parallel" if b else "sequential" for b in self.state.from_branch[:n].tolist()]
+        self._commit(n, lens, accepted, new_bonus, self.state.drafts[:n, :Bv], kinds, Bv, out, stats)
         if hb is not None:
             self._take_branches(hb, anchors, accepted, new_bonus, Bv, stats)
 
@@ -630,8 +652,8 @@ class Engine:
         acceptance statistics the step counts towards (None: an AR step)."""
         self.totals["target_forwards"] += 1
         self.cache.lens[:n] = lens + accepted + 1
-        self.bonus[:n] = new_bonus
-        self.ndrafts[:n] = 0
+        self.state.bonus[:n] = new_bonus
+        self.state.ndrafts[:n] = 0
         acc = accepted.tolist()
         if kinds is not None:
             stats.accepted = acc
@@ -654,7 +676,7 @@ class Engine:
         dev = self.target.device
         lens = self.cache.lens[:n].clone()
         N = depth.shape[1]
-        tokens = torch.cat((self.bonus[:n, None], nodes), dim=1)  # [n, N + 1]
+        tokens = torch.cat((self.state.bonus[:n, None], nodes), dim=1)  # [n, N + 1]
         anc = tree_ancestors(parent)  # [n, N + 1, N + 1]
         pos = lens[:, None] + torch.cat((depth.new_zeros(n, 1), depth), dim=1)
         slots = lens[:, None] + torch.arange(N + 1, device=dev)
@@ -713,12 +735,12 @@ class Engine:
             a = 0
             while a < Bv:
                 d = drafts[i, a]
-                ratio = p[a, d] / self.q[row, a, d]
+                ratio = p[a, d] / self.state.q[row, a, d]
                 if torch.rand((), generator=req.generator, device=p.device) >= ratio:
                     break
                 a += 1
             if a < Bv:
-                residual = (p[a] - self.q[row, a]).clamp_(min=0)
+                residual = (p[a] - self.state.q[row, a]).clamp_(min=0)
                 dist = residual if residual.sum() > 0 else p[a]
             else:
                 dist = p[a]
@@ -729,7 +751,7 @@ class Engine:
     def _branches(self, n: int, Bv: int, cap: int, stats: StepStats) -> torch.Tensor:
         """Selective verification: per row, the accepted lengths a (branch anchors) most probable under
         P(accept >= a) = prod_{j<=a} c_j and P(accept = a) = P(>= a) (1 - c_{a+1}) -> [n, m], most probable first."""
-        c = self.conf[:n, :Bv].double()
+        c = self.state.conf[:n, :Bv].double()
         ge = torch.cat((torch.ones(n, 1, dtype=c.dtype, device=c.device), c.cumprod(-1)), dim=1)  # [n, Bv+1]
         eq = ge * (1 - torch.cat((c, torch.zeros_like(c[:, :1])), dim=1))
         m = Bv + 1
@@ -774,11 +796,8 @@ class Engine:
                 n = int(self.cache.lens[last])
                 for k in (*self.cache.k, *self.cache.v):
                     k[r, :, :n] = k[last, :, :n]
-                for buf in (self.cache.lens, self.bonus, self.drafts, self.conf, self.ndrafts, self.from_branch,
-                            self.cand, self.cand_logp):
-                    buf[r] = buf[last]
-                if self.q is not None:
-                    self.q[r] = self.q[last]
+                self.cache.lens[r] = self.cache.lens[last]
+                self.state.move(last, r)
                 self.slots[r] = self.slots[last]
             self.slots.pop()
 
