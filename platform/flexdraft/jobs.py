@@ -46,8 +46,9 @@ def _model_args(cfg: PipelineConfig):
 
 def run_distill(cfg: PipelineConfig) -> Path:
     """Answer the selected prompts with the target, one shard per actor call; finished shards are skipped.
-    Within the distill budget (from this call on): past it no shard starts, and running ones are cut there;
-    the first shard of each actor always starts, so there is validation data and some training data."""
+    Within the distill budget (from this call on): no shard starts once less than a third of a shard's time is
+    left (a shard cut after its prefill would teach nothing), running ones are cut at the deadline, and the first
+    shard of each actor always starts, so there is validation data and some training data."""
     import ray
 
     from flexdraft.distill import select_prompts, shards, store_path, write_manifest
@@ -86,9 +87,15 @@ def run_distill(cfg: PipelineConfig) -> Path:
     if todo:
         idle = [Answerer.remote() for _ in range(min(cfg.workers.num_workers, len(todo)))]
         actors, running = list(idle), {}
-        t0, tokens, done = time.perf_counter(), 0, 0
+        t0, tokens, done, whole = time.perf_counter(), 0, 0, []  # whole: seconds of the shards answered in full
+
+        def may_start() -> bool:  # each actor's first shard; later ones while a third of a shard's time is left
+            if deadline is None or done + len(running) < len(actors):
+                return True
+            return time.time() + (sum(whole) / len(whole) / 3 if whole else 0.0) < deadline
+
         while todo or running:
-            while idle and todo and (deadline is None or time.time() < deadline or done + len(running) < len(actors)):
+            while idle and todo and may_start():
                 name, rows = todo.pop(0)
                 actor = idle.pop()
                 running[actor.answer.remote(rows, str(out / name), deadline)] = actor
@@ -98,6 +105,8 @@ def run_distill(cfg: PipelineConfig) -> Path:
             idle.append(running.pop(ref))
             res = ray.get(ref)
             done, tokens, cut = done + 1, tokens + res["answer_tokens"], cut + res["cut"]
+            if not res["cut"]:
+                whole.append(res["seconds"])
             elapsed = time.perf_counter() - t0
             log("distill", f"shard {res['file']} done ({done}/{done + len(todo) + len(running)}): "
                            f"{res['answer_tokens']} answer tokens in {res['seconds']:.0f}s"
