@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from flexdraft.errors import FlexDraftError
 from flexdraft.models.config import ModelArgs
-from flexdraft.models.transformer import Attention, KVCache, Linear, Transformer, attend, grouped_bias
+from flexdraft.models.transformer import Attention, KVCache, Linear, Transformer
 
 FORMAT = "flexdraft-drafter/3"  # 2: the calibration MLP normalises its inputs; 3: a known bonus takes the target's path
 WEIGHTS, META = "drafter.safetensors", "drafter.json"
@@ -122,6 +122,38 @@ class PairedAttention:
         own, tuned = self.o(y.transpose(1, 2).reshape(R, N, H * D)).chunk(2, dim=-1)
         return torch.where(clean[..., None], own, tuned)
 
+    def at(self, clean: torch.Tensor) -> "CleanSlots":
+        """These projections for one pass whose clean slots are `clean` [R, N] (what `DecoderLayer` takes)."""
+        return CleanSlots(lambda x, cos, sin: self.project(x, cos, sin, clean), lambda y: self.output(y, clean))
+
+
+class CleanSlots:
+    """A tuned layer's projections for one pass in which some slots are clean (they take the target's path):
+    `project` and `output` as `Attention` has them, for `DecoderLayer`."""
+
+    def __init__(self, project, output):
+        self.project, self.output = project, output
+
+    @staticmethod
+    def unpaired(target_attn: Attention, drafter_attn: Attention, clean: tuple) -> "CleanSlots":
+        """Training's path (no paired copies): the drafter's projections for every slot, then the clean slots'
+        (clean = (mask [R, N], rows, slots)) recomputed with the target's and written over them."""
+        _, r, n = clean
+
+        def project(x, cos, sin):
+            q, k, v = drafter_attn.project(x, cos, sin)
+            qc, kc, vc = target_attn.project(x[r, n][None], cos[r, 0, n][None, None], sin[r, 0, n][None, None])
+            q, k, v = q.clone(), k.clone(), v.clone()  # [R, H, N, D]; the clean ones [1, H, M, D] at (r, :, n)
+            q[r, :, n], k[r, :, n], v[r, :, n] = qc[0].transpose(0, 1), kc[0].transpose(0, 1), vc[0].transpose(0, 1)
+            return q, k, v
+
+        def output(y):
+            out = drafter_attn.output(y).clone()
+            out[r, n] = target_attn.output(y[r, :, n].transpose(0, 1)[None])[0]
+            return out
+
+        return CleanSlots(project, output)
+
 
 class Drafter(nn.Module):
     """Trainable tensors only: `attn[i]` are the projectors of target layer s + i, `mask_embedding` [d],
@@ -202,37 +234,24 @@ class Drafter(nn.Module):
         causal = same & (pos[:, None, :] <= pos[:, :, None])
         tuned, clean_at = self.clean_slots(causal, same if self.config.tuned_attention == "bidirectional" else causal,
                                             clean)
-        masks = [torch.cat((ctx_mask, m), dim=-1)[:, None] for m in (causal, tuned)]
-        if target.math_attention:
-            group = self.args.n_heads // self.args.n_kv_heads
-            masks = [grouped_bias(m, group) for m in masks]
-        return masks, clean_at
+        return [target.attention_mask(torch.cat((ctx_mask, m), dim=-1)[:, None]) for m in (causal, tuned)], clean_at
 
-    def block_layer(self, target: Transformer, layer_idx: int, x: torch.Tensor, cos, sin, context,
+    def block_layer(self, target: Transformer, layer_idx: int, x: torch.Tensor, cos, sin, kv,
                     masks: list[torch.Tensor], clean: tuple | None) -> torch.Tensor:
-        """One layer for block slots x [R, N, d] -> [R, N, d]. context(k, v) -> the keys/values [R, Hkv, S', D]
-        the slots attend over, given the block's own [R, Hkv, N, D]. clean: (mask [R, N], rows, slots) of the
-        clean slots, which use the target's projectors in the tuned layers too."""
+        """One layer for block slots x [R, N, d] -> [R, N, d]: the target's `DecoderLayer` with the drafter's
+        projections in a tuned layer. kv as `DecoderLayer` takes it; clean: (mask [R, N], rows, slots) of the
+        clean slots, which keep the target's projections in the tuned layers too."""
         layer = target.layers[layer_idx]
-        is_tuned = layer_idx >= self.first_tuned
-        attn = self.attn[layer_idx - self.first_tuned] if is_tuned else layer.self_attn
-        paired = self.paired[layer_idx - self.first_tuned] if is_tuned and clean is not None and self.paired else None
-        own = is_tuned and clean is not None and paired is None
-        hx = layer.input_layernorm(x)
-        q, k, v = paired.project(hx, cos, sin, clean[0]) if paired is not None else attn.project(hx, cos, sin)
-        if own:  # overwrite the clean slots' q, k, v [R, H, N, D] with the target's: [M, H, D] at (r, :, n)
-            _, r, n = clean
-            qc, kc, vc = layer.self_attn.project(hx[r, n][None], cos[r, 0, n][None, None], sin[r, 0, n][None, None])
-            q, k, v = q.clone(), k.clone(), v.clone()
-            q[r, :, n], k[r, :, n], v[r, :, n] = qc[0].transpose(0, 1), kc[0].transpose(0, 1), vc[0].transpose(0, 1)
-        keys, values = context(k, v)
-        y = attend(q, keys, values, masks[is_tuned])  # [R, H, N, D]
-        out = paired.output(y, clean[0]) if paired is not None else attn.output(y)
-        if own:
-            out = out.clone()
-            out[r, n] = layer.self_attn.output(y[r, :, n].transpose(0, 1)[None])[0]
-        x = x + out
-        return x + layer.mlp(layer.post_attention_layernorm(x))
+        i = layer_idx - self.first_tuned
+        if i < 0:
+            attn = layer.self_attn
+        elif clean is None:
+            attn = self.attn[i]
+        elif self.paired:
+            attn = self.paired[i].at(clean[0])
+        else:
+            attn = CleanSlots.unpaired(layer.self_attn, self.attn[i], clean)
+        return layer(x, cos, sin, masks[i >= 0], kv, attn)
 
     def forward(self, target: Transformer, inputs: torch.Tensor, pos: torch.Tensor, block_of: torch.Tensor,
                 cache: KVCache, ctx_mask: torch.Tensor, rows: torch.Tensor | None = None,
@@ -268,7 +287,7 @@ class Drafter(nn.Module):
         cache: causally in the shallow layers (slot <= own position), to the prefix and the whole block in
         the tuned ones (slot < lens + T, or causal when so configured; causal for slot 0)."""
         R, T, _ = inputs.shape
-        pos = cache.lens[:, None] + torch.arange(T, device=inputs.device)  # [R, T]
+        pos = cache.next_positions(T)  # [R, T]
         span = int(pos.max()) + 1
         slots = torch.arange(span, device=inputs.device)
         causal = slots <= pos[..., None]  # [R, T, span]
@@ -276,17 +295,11 @@ class Drafter(nn.Module):
         bonus = (torch.arange(T, device=inputs.device) == 0).expand(R, T)  # slot 0: a clean token
         tuned, clean_at = self.clean_slots(causal, whole if self.config.tuned_attention == "bidirectional" else causal,
                                             bonus)
-        masks = [m[:, None] for m in (causal, tuned)]
-        if target.math_attention:
-            masks = [grouped_bias(m, self.args.n_heads // self.args.n_kv_heads) for m in masks]
+        masks = [target.attention_mask(m[:, None]) for m in (causal, tuned)]
         x = inputs
         cos, sin = target.rope(pos, x.dtype)
         for i in range(self.config.entry_layer, self.args.n_layers):
-            def in_cache(k, v, i=i):
-                cache.write(i, pos, k, v)
-                return cache.k[i][:, :, :span], cache.v[i][:, :, :span]
-
-            x = self.block_layer(target, i, x, cos, sin, in_cache, masks, clean_at)
+            x = self.block_layer(target, i, x, cos, sin, cache.writer(i, pos, span), masks, clean_at)
         return target.norm(x)
 
     def slot_inputs(self, target: Transformer, bonus: torch.Tensor, bonus_known: torch.Tensor) -> torch.Tensor:

@@ -37,7 +37,7 @@ from flexdraft.errors import FlexDraftError
 from flexdraft.generate import (Generation, SamplingParams, argmax_tokens, draw, filtered_logits, make_generator,
                                 prefill, sample, top_logprobs)
 from flexdraft.lookup import NgramIndex, NgramStore
-from flexdraft.models.transformer import Transformer, attend, grouped_bias
+from flexdraft.models.transformer import Transformer
 from flexdraft.spec.policy import AcceptanceModel, CostModel, Plan, monotone
 from flexdraft.spec.trees import chain_trie, draft_tree, tree_ancestors, tree_sample, tree_tokens, tree_walk
 
@@ -849,37 +849,25 @@ def parallel_forward(target: Transformer, drafter: Drafter, tokens: torch.Tensor
     # clean rows see the cache causally and no branch key; branch rows see their prefix and their block
     clean = torch.cat(((torch.arange(span, device=dev) <= pos[..., None]), pos.new_zeros(n, T, N, dtype=torch.bool)), -1)
     ctx = torch.arange(span, device=dev) <= base.repeat_interleave(T, dim=1)[:, :, None]  # [n, N, span]
-    masks = [torch.cat((clean, torch.cat((ctx, in_block[kind]), -1)), dim=1)[:, None]  # [n, 1, T + N, span + N]
-             for kind in ("causal", drafter.config.tuned_attention)]
-    group = target.args.n_heads // target.args.n_kv_heads
-    if target.math_attention:
-        masks = [grouped_bias(mk, group) for mk in masks]
+    masks = [target.attention_mask(torch.cat((clean, torch.cat((ctx, in_block[kind]), -1)), dim=1)[:, None])
+             for kind in ("causal", drafter.config.tuned_attention)]  # [n, 1, T + N, span + N]
     x = target.embed_tokens(tokens)
     cos_all, sin_all = target.rope(torch.cat((pos, bpos), dim=1), x.dtype)  # [n, 1, T + N, D]
     if e:  # below the entry layer only the clean tokens run, exactly as in the target's forward
-        clean_mask = clean[:, None, :, :span]
-        clean_mask = grouped_bias(clean_mask, group) if target.math_attention else clean_mask
+        clean_mask = target.attention_mask(clean[:, None, :, :span])
         for i, layer in enumerate(target.layers[:e]):
-            x = layer(x, cos_all[:, :, :T], sin_all[:, :, :T], clean_mask, cache, i, pos, span)
+            x = layer(x, cos_all[:, :, :T], sin_all[:, :, :T], clean_mask, cache.writer(i, pos, span))
     xx = torch.cat((x, drafter.mask_embedding.to(x.dtype).expand(n, N, -1)), dim=1)  # [n, T + N, d]
     is_clean = (torch.arange(T + N, device=dev) < T).expand(n, T + N)
     for i in range(e, target.args.n_layers):
-        layer, attn = target.layers[i], target.layers[i].self_attn
-        hx = layer.input_layernorm(xx)
-        if i >= s:  # tuned layer: the branches use the drafter's projectors (both sets in one GEMM)
-            q, k, v = drafter.paired[i - s].project(hx, cos_all, sin_all, is_clean)
-        else:
-            q, k, v = attn.project(hx, cos_all, sin_all)
-        k, kb = k.split((T, N), dim=2)
-        v, vb = v.split((T, N), dim=2)
-        cache.write(i, pos, k, v)
-        cache.write(i, scratch, kb, vb)
-        y = attend(q, cache.k[i][:, :, :span + N], cache.v[i][:, :, :span + N], masks[i >= s])  # [n, H, T + N, D]
-        if i >= s:
-            out = drafter.paired[i - s].output(y, is_clean)
-        else:
-            out = attn.output(y)
-        xx = xx + out
-        xx = xx + layer.mlp(layer.post_attention_layernorm(xx))
+        def kv(k, v, i=i):  # clean keys/values at their positions, the branches' in the scratch slots
+            (k, kb), (v, vb) = k.split((T, N), dim=2), v.split((T, N), dim=2)
+            cache.write(i, pos, k, v)
+            cache.write(i, scratch, kb, vb)
+            return cache.k[i][:, :, :span + N], cache.v[i][:, :, :span + N]
+
+        # tuned layer: the branches use the drafter's projectors (both sets in one GEMM)
+        attn = drafter.paired[i - s].at(is_clean) if i >= s else None
+        xx = target.layers[i](xx, cos_all, sin_all, masks[i >= s], kv, attn)
     h = target.norm(xx)
     return h[:, :T], h[:, T:].view(n, m, T, -1)

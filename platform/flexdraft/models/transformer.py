@@ -50,6 +50,14 @@ class KVCache:
         self.k[layer][rows, :, pos] = k.transpose(1, 2)
         self.v[layer][rows, :, pos] = v.transpose(1, 2)
 
+    def writer(self, layer: int, slots: torch.Tensor, span: int):
+        """`DecoderLayer`'s kv for an ordinary forward: store the new k, v at `slots` [B, T], then attend over
+        cache slots 0..span-1."""
+        def kv(k: torch.Tensor, v: torch.Tensor):
+            self.write(layer, slots, k, v)
+            return self.k[layer][:, :, :span], self.v[layer][:, :, :span]
+        return kv
+
     def rows(self, start: int, end: int) -> "KVCache":
         """A view of rows start..end-1: writes through it land in this cache."""
         view = KVCache.__new__(KVCache)
@@ -268,11 +276,6 @@ class Attention(nn.Module):
         B, H, T, D = y.shape
         return self.o_proj(y.transpose(1, 2).reshape(B, T, H * D))
 
-    def forward(self, x, cos, sin, mask, cache: KVCache, layer: int, slots, span: int):
-        q, k, v = self.project(x, cos, sin)
-        cache.write(layer, slots, k, v)
-        keys, values = cache.k[layer][:, :, :span], cache.v[layer][:, :, :span]  # [B, Hkv, S, D]
-        return self.output(attend(q, keys, values, mask))
 
 
 def attend(q, keys, values, mask):
@@ -304,8 +307,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.dim, args.rms_norm_eps)
         self.mlp = MLP(args)
 
-    def forward(self, x, cos, sin, mask, cache, layer, slots, span):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer, slots, span)
+    def forward(self, x, cos, sin, mask, kv, attn=None):
+        """x [B, T, d] -> [B, T, d]: attention and MLP, each with its residual; the one layer body that the
+        target's forward, the drafter's block pass and the engine's parallel pass all run.
+
+        kv(k, v): stores this call's keys/values [B, Hkv, T, D] where they belong and returns the keys/values
+        [B, Hkv, S, D] to attend over (`KVCache.writer` for an ordinary forward); mask [B, 1, T, S] as
+        `Transformer.attention_mask` gives it. attn: the projections, anything with `project(x, cos, sin)` and
+        `output(y)` as `Attention` has them (default this layer's own; the drafter passes its tuned ones)."""
+        attn = self.self_attn if attn is None else attn
+        q, k, v = attn.project(self.input_layernorm(x), cos, sin)
+        x = x + attn.output(attend(q, *kv(k, v), mask))
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -357,6 +369,11 @@ class Transformer(nn.Module):
         self.inv_freq = rope_inv_freq(self.args).to(device)  # stays fp32 (and leaves the meta device)
         return self
 
+    def attention_mask(self, mask: torch.Tensor) -> torch.Tensor:
+        """bool [B, 1, T, S] (True = visible) -> what this model's attention takes: the mask itself, or on the
+        bf16-on-CPU math path its additive bias (`grouped_bias`)."""
+        return grouped_bias(mask, self.args.n_heads // self.args.n_kv_heads) if self.math_attention else mask
+
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         return KVCache(self.args, batch, max_len, self.dtype, self.device)
 
@@ -381,13 +398,12 @@ class Transformer(nn.Module):
         if mask is None:
             mask = torch.arange(span, device=pos.device) <= pos[..., None]  # [B, T, S]
         mask = mask[:, None]  # [B, 1, T, S]: the same for every head
-        if self.math_attention and not sdpa:
-            mask = grouped_bias(mask, self.args.n_heads // self.args.n_kv_heads)  # once for all layers
+        mask = mask if sdpa else self.attention_mask(mask)  # once for all layers
         x = self.embed_tokens(tokens)
         cos, sin = self.rope(pos, x.dtype)
         slots = pos if slots is None else slots
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, mask, cache, i, slots, span)
+            x = layer(x, cos, sin, mask, cache.writer(i, slots, span))
         return self.norm(x)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
