@@ -40,6 +40,7 @@ from flexdraft.lookup import NgramIndex, NgramStore
 from flexdraft.models.transformer import Transformer
 from flexdraft.spec.policy import AcceptanceModel, CostModel, Plan, monotone
 from flexdraft.spec.trees import chain_trie, draft_tree, tree_ancestors, tree_sample, tree_tokens, tree_walk
+from flexdraft.spec.verify import greedy_accept, speculative_sample
 
 class Mode(str, enum.Enum):
     """Decoding modes; a str, so configs and comparisons take the plain names."""
@@ -717,35 +718,15 @@ class Engine:
         return self.target.logits(h), hb
 
     def _accept(self, logits: torch.Tensor, drafts: torch.Tensor, rows: torch.Tensor):
-        """logits [n, T, V] at the verify tokens, drafts [n, Bv] -> accepted drafts [n], next bonus [n].
-
-        Greedy: accept while d_j equals the target's argmax; the bonus is the argmax after the last accepted.
-        Sampling: accept d_j with probability min(1, p_j(d_j) / q_j(d_j)); at the first rejection draw the
-        bonus from normalize(max(0, p_j - q_j)), after all accepted from p_Bv (speculative sampling)."""
-        n, Bv = drafts.shape
-        top = argmax_tokens(logits)  # [n, T]
-        match = (drafts == top[:, :Bv]).long()
-        accepted = match.cumprod(-1).sum(-1) if Bv else torch.zeros(n, dtype=torch.long, device=logits.device)
-        bonus = top.gather(1, accepted[:, None]).squeeze(1)
+        """logits [n, T, V] at the verify tokens, drafts [n, Bv] -> accepted drafts [n], next bonus [n]: greedy
+        rows by `greedy_accept`, sampled rows by `speculative_sample` with their own filters and generator."""
+        accepted, bonus = greedy_accept(logits, drafts)
         for i, row in enumerate(rows.tolist()):
             req = self.slots[row]
-            if req.params.greedy:
-                continue
-            p = filtered_logits(logits[i], req.params).softmax(-1)  # [T, V]
-            a = 0
-            while a < Bv:
-                d = drafts[i, a]
-                ratio = p[a, d] / self.state.q[row, a, d]
-                if torch.rand((), generator=req.generator, device=p.device) >= ratio:
-                    break
-                a += 1
-            if a < Bv:
-                residual = (p[a] - self.state.q[row, a]).clamp_(min=0)
-                dist = residual if residual.sum() > 0 else p[a]
-            else:
-                dist = p[a]
-            accepted[i] = a
-            bonus[i] = draw(dist, req.generator)
+            if not req.params.greedy:
+                p = filtered_logits(logits[i], req.params).softmax(-1)  # [T, V]
+                a, b = speculative_sample(p, drafts[i], self.state.q[row, :drafts.shape[1]], req.generator)
+                accepted[i], bonus[i] = a, b
         return accepted, bonus
 
     def _branches(self, n: int, Bv: int, cap: int, stats: StepStats) -> torch.Tensor:

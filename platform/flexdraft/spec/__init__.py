@@ -1,1 +1,1 @@
-"""Speculative decoding's parts that need no engine: the adaptive policy's models and token trees."""
+"""Speculative decoding's parts that need no engine: the adaptive policy's models, verification, token trees."""
