@@ -56,3 +56,29 @@ def test_a_pace_that_drifts_moves_the_step_count_and_the_schedule_follows_withou
     most = StepPlan(TrainConfig(steps=500, time_budget_min=15))
     most.fix(10, 2.0)  # 450 steps; then 1 s/step: the rest would fit 680, the config allows 500
     assert most.hold(200, 220.0, 1.0) and most.steps == 500
+
+
+def test_the_step_clock_fixes_the_count_from_the_slowest_worker_and_holds_it_when_the_pace_drifts():
+    """A fake clock: steps of 2 s with a 15-min budget, but the other worker paces 2.2 s and was given 14 min
+    (reduce_max takes the slowest and the smallest): the count is fixed at step 10 for 14 min at 2.2 s/step; when
+    the steps then take 3 s, the count moves down within a step of the hold starting, and the steps stay within
+    the budget (3% tolerance)."""
+    from flexdraft.budget import StepClock, StepPlan
+    from flexdraft.pipeline import TrainConfig
+
+    t = [0.0]
+    plan = StepPlan(TrainConfig(steps=1500, time_budget_min=15))
+    other = [2.2, -14 * 60.0]  # the other worker's pace and (negated) budget at the probe
+    clock = StepClock(plan, 0, reduce_max=lambda v: [max(a, b) for a, b in zip(v, other)], now=lambda: t[0])
+    events, done = [], 0
+    while done < plan.steps:
+        t[0] += 2.0 if done < 100 else 3.0
+        done += 1
+        event = clock.step_done(done)
+        if done == 10:
+            other[:] = [0.0, float("-inf")]  # after the probe the other worker is no slower
+        if event:
+            events.append((done, event))
+    assert events[0] == (10, "time budget 14.0 min at 2.20 s/step: 381 steps")
+    assert plan.budget_s == 14 * 60 and len(events) > 1 and events[1][0] <= 102
+    assert t[0] <= 14 * 60 * 1.03 and plan.steps == done < 381

@@ -4,7 +4,9 @@ does (`lr_lambda`). Plain arithmetic on seconds and step counts: the Ray loop in
 all-reduces the paces, this module decides."""
 from __future__ import annotations
 
+import collections
 import math
+import time
 
 from flexdraft.pipeline import PipelineConfig, TrainConfig
 
@@ -87,3 +89,42 @@ def lr_lambda(tc: TrainConfig, plan: StepPlan):
             at, a, end = phase(at, a, end, c), c, steps
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * phase(at, a, end, step)))
     return f
+
+
+class StepClock:
+    """Times one attempt's steps for its `StepPlan`: fixes the count from the pace of steps 3-10, then, from
+    HOLD_AFTER steps later on, holds it after every step. `reduce_max(values) -> values` takes each entry's
+    maximum over the workers (they step in lockstep, so all take the slowest pace and reach the same count);
+    `now` is the clock. `step_done` returns a line to log when the count was fixed or moved, else None."""
+
+    def __init__(self, plan: StepPlan, start: int, reduce_max=lambda values: values, now=None):
+        self.plan, self.start, self.reduce_max = plan, start, reduce_max
+        self.now = now or time.perf_counter
+        self.t0 = self.now()
+        self.probe: list[float] = []  # when this attempt's step 2 and step PROBE ended
+        self.ends = collections.deque(maxlen=plan.HOLD_WINDOW + 1)  # when the latest steps ended
+        self.spent_before = 0.0  # of the budget, by earlier attempts' steps (the count covers them)
+
+    def step_done(self, done: int) -> str | None:
+        plan, t = self.plan, self.now()
+        if not plan.fixed and done in (self.start + 2, self.start + plan.PROBE):
+            self.probe.append(t)
+            if len(self.probe) == 2:
+                pace, neg_budget = self.reduce_max([(self.probe[1] - self.probe[0]) / (plan.PROBE - 2), -plan.budget_s])
+                plan.budget_s = -neg_budget  # the smallest budget any worker was given
+                plan.fix(done, pace)
+                self.spent_before = self.start * pace
+                self.ends.append(t)
+                return f"time budget {plan.budget_s / 60:.1f} min at {pace:.2f} s/step: {plan.steps} steps"
+        self.ends.append(t)
+        # only the attempt that fixed the count holds it: it knows what its steps have spent
+        if len(self.probe) < 2 or done >= plan.steps or done < self.start + plan.PROBE + plan.HOLD_AFTER:
+            return None
+        window = min(plan.HOLD_WINDOW, done - self.start - plan.PROBE)
+        pace, spent = self.reduce_max([(self.ends[-1] - self.ends[-1 - window]) / window,
+                                       self.ends[-1] - self.t0 + self.spent_before])
+        was = plan.steps
+        if plan.hold(done, spent, pace):
+            return (f"pace {pace:.2f} s/step over the last {window} steps: {plan.steps} steps instead of {was}, "
+                    f"to end within the {plan.budget_s / 60:.1f} min budget")
+        return None

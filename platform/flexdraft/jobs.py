@@ -8,7 +8,6 @@ takes the same steps it would have taken.
 """
 from __future__ import annotations
 
-import collections
 import hashlib
 import json
 import os
@@ -21,7 +20,7 @@ from pathlib import Path
 import torch
 
 from flexdraft import logs
-from flexdraft.budget import StepPlan, deadline_budget, lr_lambda
+from flexdraft.budget import StepClock, StepPlan, deadline_budget, lr_lambda
 from flexdraft.config import RuntimeConfig, from_dict
 from flexdraft.drafter import FORMAT
 from flexdraft.errors import FlexDraftError
@@ -286,10 +285,15 @@ def train_func(config: dict) -> None:
     if by_deadline:
         plan.budget_s = deadline_budget(cfg, config["deadline"], config["launched"], time.time(), eval_s)
 
+    def reduce_max(values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64)
+        if world > 1:
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        return t.tolist()
+
     t_window, seq_tokens, blocks, losses = time.perf_counter(), 0, 0, []
     t_run, run_totals = time.perf_counter(), torch.zeros(2, dtype=torch.float64)  # this attempt's tokens, blocks
-    probe = []  # times at which this attempt's step 2 and step PROBE ended (a budgeted run's pace)
-    ends = collections.deque(maxlen=plan.HOLD_WINDOW + 1)  # when the latest steps ended (the pace that `hold`s)
+    clock = StepClock(plan, start, reduce_max)
     step = start
     while step < plan.steps:
         if config.get("fail_at_step") == step and not Path(config["fail_marker"]).exists():
@@ -306,36 +310,15 @@ def train_func(config: dict) -> None:
         blocks += out.blocks
         run_totals += torch.tensor([out.tokens, out.blocks], dtype=torch.float64)
         done = step + 1
-        if not plan.fixed and done in (start + 2, start + plan.PROBE):
-            probe.append(time.perf_counter())
-            if len(probe) == 2:  # every worker takes the slowest pace and the smallest budget: they step in lockstep
-                pace_budget = torch.tensor([(probe[1] - probe[0]) / (plan.PROBE - 2), -plan.budget_s],
-                                           dtype=torch.float64)
-                if world > 1:
-                    torch.distributed.all_reduce(pace_budget, op=torch.distributed.ReduceOp.MAX)
-                pace, plan.budget_s = pace_budget[0].item(), -pace_budget[1].item()
-                plan.fix(done, pace)
-                spent_before = start * pace  # of the budget, by earlier attempts' steps (the count covers them)
-                if rank == 0:
-                    whose = (f"what the pipeline's {cfg.time_budget_min:g} min leave"
-                             if by_deadline else "the stage's own")
-                    log(stage, f"time budget {plan.budget_s / 60:.1f} min ({whose}) at {pace:.2f} s/step: "
-                               f"{plan.steps} steps (at most {tc.steps})")
-                    mlflow.log_metrics({"train/planned_steps": plan.steps, "train/budget_min": plan.budget_s / 60},
-                                       step=done)
-        ends.append(time.perf_counter())
-        # only the attempt that fixed the count holds it: it knows what its steps have spent
-        if len(probe) == 2 and done < plan.steps and done >= start + plan.PROBE + plan.HOLD_AFTER:
-            window = min(plan.HOLD_WINDOW, done - start - plan.PROBE)
-            pace_spent = torch.tensor([(ends[-1] - ends[-1 - window]) / window,
-                                       ends[-1] - t_run + spent_before], dtype=torch.float64)
-            if world > 1:  # the same inputs on every worker: the same count
-                torch.distributed.all_reduce(pace_spent, op=torch.distributed.ReduceOp.MAX)
-            was = plan.steps
-            if plan.hold(done, pace_spent[1].item(), pace_spent[0].item()) and rank == 0:
-                log(stage, f"pace {pace_spent[0].item():.2f} s/step over the last {window} steps: {plan.steps} "
-                           f"steps instead of {was}, to end within the {plan.budget_s / 60:.1f} min budget")
-                mlflow.log_metric("train/planned_steps", plan.steps, step=done)
+        was_fixed = plan.fixed
+        event = clock.step_done(done)
+        if event and rank == 0:
+            if not was_fixed:
+                whose = f"what the pipeline's {cfg.time_budget_min:g} min leave" if by_deadline else "the stage's own"
+                event += f" (at most {tc.steps}; {whose})"
+                mlflow.log_metric("train/budget_min", plan.budget_s / 60, step=done)
+            log(stage, event)
+            mlflow.log_metric("train/planned_steps", plan.steps, step=done)
         if done % tc.log_every == 0 or done % tc.checkpoint_every == 0 or done == plan.steps:
             stats = torch.tensor([sum(losses) / len(losses), seq_tokens, blocks], dtype=torch.float64)
             if world > 1:
