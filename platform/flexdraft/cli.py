@@ -75,12 +75,11 @@ def cmd_generate(args) -> None:
     else:
         prompts = read_prompts_file(args.prompts_file, tok)
     check_prompts(prompts, lm.model.args.max_position_embeddings, lm.model.args.vocab_size)  # all, up front
-    for i, p in enumerate(prompts):  # the engine's own check names the limit; here it also names the prompt
-        need = engine.slots_needed(len(p), params.max_new_tokens)
-        if need > cfg.max_len:
-            raise FlexDraftError(f"prompt {i}: {len(p)} tokens + --max-new-tokens {params.max_new_tokens} + "
-                                 f"{need - len(p) - params.max_new_tokens} verify and branch slots exceed "
-                                 f"--max-len {cfg.max_len}")
+    for i, p in enumerate(prompts):  # the engine's own check, naming the prompt too
+        try:
+            engine.check_request(p, params)
+        except FlexDraftError as e:
+            raise FlexDraftError(f"prompt {i}: {e} (--max-len)") from None
     print(note, file=sys.stderr)
     gens = engine.generate(prompts, params)
     total_tokens = sum(len(g.token_ids) for g in gens)

@@ -208,11 +208,10 @@ class Engine:
 
     # ---------------------------------------------------------------- requests
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None) -> int:
-        params = params or SamplingParams()
+    def check_request(self, prompt: list[int], params: SamplingParams) -> None:
+        """Raise FlexDraftError naming what makes this request impossible (nothing is queued)."""
         if not isinstance(params, SamplingParams):
             raise FlexDraftError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        prompt = [int(t) for t in prompt_ids]
         V = self.target.args.vocab_size
         if not prompt:
             raise FlexDraftError("empty prompt")
@@ -224,6 +223,12 @@ class Engine:
             raise FlexDraftError(f"prompt of {len(prompt)} tokens + max_new_tokens {params.max_new_tokens} + "
                                  f"{need - len(prompt) - params.max_new_tokens} verify and branch slots = {need} "
                                  f"exceeds the cache of {self.config.max_len} slots per row (engine max_len)")
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None) -> int:
+        params = params or SamplingParams()
+        prompt = [int(t) for t in prompt_ids]
+        self.check_request(prompt, params)
+        V = self.target.args.vocab_size
         req = _Request(next(self._ids), prompt, params, make_generator(params, self.target.device),
                        index=NgramIndex(prompt, self.lookup) if self.lookup else None)
         if not params.greedy and self.state.q is None and self.B:
