@@ -3,7 +3,6 @@ sampled outputs follow the target's distribution; continuous batching never chan
 import itertools
 import math
 import random
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ from flexdraft.errors import FlexDraftError
 from flexdraft.generate import SamplingParams, filtered_logits, generate, prefill
 from flexdraft.lookup import NgramIndex, NgramStore
 from flexdraft.models.loading import load_model
+from flexdraft.pipeline import default_drafter_dir
 from flexdraft.spec.policy import CostModel, Plan, monotone
 from flexdraft.spec.trees import chain_trie, trie_nodes
 from flexdraft.training import Sequences, training_step
@@ -387,7 +387,7 @@ def test_bad_input_is_named_and_the_engine_keeps_serving(tiny, drafters):
         Engine(tiny, Drafter.from_target(tiny, DrafterConfig(k=2, block_size=4)), EngineConfig(mode="sequential"))
 
 
-DEFAULT_DRAFTER = Path.home() / ".flexdraft/pipelines/smollm2-default/drafter"
+DEFAULT_DRAFTER = default_drafter_dir()
 
 
 @pytest.mark.real_model

@@ -146,3 +146,9 @@ class PipelineConfig:
 
 def load_pipeline_config(path: str | Path) -> PipelineConfig:
     return load_yaml(PipelineConfig, path)
+
+
+def default_drafter_dir() -> Path:
+    """Where the default pipeline (configs/smollm2.yaml = the embedded defaults) puts its drafter: what
+    `flexdraft generate`, the harness and the demo use when no drafter is named."""
+    return PipelineConfig().drafter_dir("calibration")

@@ -17,15 +17,10 @@ from flexdraft.engine import NO_DRAFTER, Engine, EngineConfig
 from flexdraft.errors import FlexDraftError
 from flexdraft.lookup import NgramStore
 from flexdraft.models.loading import LoadedModel, load_model
-from flexdraft.pipeline import PipelineConfig
+from flexdraft.pipeline import PipelineConfig, default_drafter_dir
 
 
 PROFILE_FORMAT = 15  # bump when Engine.profile measures other shapes or passes, or forwards get faster: cached profiles are redone
-
-
-def default_drafter_dir() -> Path:
-    """Where the drafter jobs' default config (configs/smollm2.yaml = the embedded defaults) puts its result."""
-    return PipelineConfig().drafter_dir("calibration")
 
 
 @dataclass
