@@ -180,8 +180,10 @@ def test_ce_targets_are_the_targets_greedy_tokens_on_its_own_answers(tiny):
 @torch.no_grad()
 def test_evaluation_scores_a_known_bonus_with_the_block_pass_arithmetic(tmp_path):
     """bf16 on the math path, as training pins it: a known bonus's draft d_1, the target's own next token, agrees
-    with the evaluation's target tokens on every one of 216 blocks, near-ties included (with the target pass on
-    SDPA beside the math block pass, 4 of them disagreed on the AMD machine)."""
+    with the evaluation's target tokens wherever the block pass gives the bonus slot the very hidden state of
+    the sequence pass, near-ties included: on CPUs whose bf16 GEMMs treat rows alike (AMX) that is every one of
+    216 blocks (with the target pass on SDPA beside the math block pass, 4 of them disagreed on an AVX512-BF16
+    machine); elsewhere at least the blocks whose hidden states are bitwise equal."""
     make_tiny_hf("llama", tmp_path)
     runtime = RuntimeConfig(device="cpu", dtype="bfloat16", cpu_prepack=False, cpu_attention="math")
     target = load_model(tmp_path, runtime, with_tokenizer=False).model
@@ -190,10 +192,11 @@ def test_evaluation_scores_a_known_bonus_with_the_block_pass_arithmetic(tmp_path
     anchors = torch.arange(5, 59).expand(4, -1)  # every valid anchor
     cache, h = target_pass(target, seqs, sdpa=False)
     slot0 = draft_hidden(drafter, target, seqs, cache, anchors, torch.ones_like(anchors, dtype=torch.bool))[:, :, 0]
-    if not torch.equal(slot0, h.gather(1, (anchors + 1)[..., None].expand(-1, -1, h.shape[-1]))):
-        pytest.skip("this CPU's bf16 GEMMs round a block's rows unlike the same rows of a whole sequence")
+    equal = (slot0 == h.gather(1, (anchors + 1)[..., None].expand(-1, -1, h.shape[-1]))).all(-1)  # [4, 54]
     counts = agreement_counts(drafter, target, seqs, stride=1, max_anchors=64)
-    assert counts["blocks"] == 216 and counts["bonus.agree"][0] == 216
+    assert counts["blocks"] == 216 and counts["bonus.agree"][0] >= int(equal.sum())
+    if equal.all():
+        assert counts["bonus.agree"][0] == 216
 
 
 @torch.no_grad()
