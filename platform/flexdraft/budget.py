@@ -59,11 +59,11 @@ class StepPlan:
 
 def deadline_budget(cfg: PipelineConfig, deadline: float, launched: float, train_start: float,
                     eval_s: float) -> float:
-    """Seconds of training steps for a budgeted attention stage inside a pipeline that should end at `deadline`
-    (epoch seconds): what is left from `train_start` once the rest of the pipeline is reserved (at least a
-    minute), more or less than the stage's own budget. The rest: this stage's final evaluation and calibration's (each as long as the `eval_s`
-    this stage's first one took), calibration's start-up (as long as this stage's: from `launched`, when the
-    driver began the stage, to `train_start`, less that evaluation) and its budget, and 5% of the pipeline's
+    """Seconds of training steps for a budgeted attention stage inside a pipeline that should end at `deadline` (epoch
+    seconds): what is left from `train_start` once the rest of the pipeline is reserved (at least a minute), more or
+    less than the stage's own budget. The rest: this stage's final evaluation and calibration's (each as long as the
+    `eval_s` this stage's first one took), calibration's start-up (as long as this stage's: from `launched`, when
+    the driver began the stage, to `train_start`, less that evaluation) and its budget, and 5% of the pipeline's
     budget for a pace that drifts after it was measured."""
     startup = max(0.0, train_start - launched - eval_s)
     reserve = 2 * eval_s + startup + 60 * cfg.calibration.time_budget_min + 3 * cfg.time_budget_min

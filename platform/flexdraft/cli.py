@@ -142,8 +142,8 @@ def cmd_job(args) -> None:
 
 
 VERSIONS = ("flexdraft", "torch", "ray", "deepspeed", "transformers", "mlflow", "datasets", "safetensors")
-ENV_VARS = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "DS_ACCELERATOR",
-            "RAY_ADDRESS", "MLFLOW_TRACKING_URI", "FLEXDRAFT_HOME")
+ENV_VARS = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "OMP_NUM_THREADS",
+            "CUDA_VISIBLE_DEVICES", "DS_ACCELERATOR", "RAY_ADDRESS", "MLFLOW_TRACKING_URI", "FLEXDRAFT_HOME")
 
 
 def env_report(model: str) -> dict:

@@ -39,7 +39,7 @@ from flexdraft.generate import (Generation, SamplingParams, argmax_tokens, draw,
 from flexdraft.lookup import NgramIndex, NgramStore
 from flexdraft.models.transformer import Transformer
 from flexdraft.spec.policy import AcceptanceModel, CostModel, Plan, monotone
-from flexdraft.spec.trees import chain_trie, draft_tree, tree_ancestors, tree_sample, tree_tokens, tree_walk
+from flexdraft.spec.trees import chain_trie, draft_tree, tree_ancestors, tree_sample, tree_tokens, tree_walk, trie_nodes
 from flexdraft.spec.verify import greedy_accept, speculative_sample
 
 class Mode(str, enum.Enum):
@@ -730,7 +730,8 @@ class Engine:
             req = self.slots[row]
             if not req.params.greedy:
                 p = filtered_logits(logits[i], req.params).softmax(-1)  # [T, V]
-                a, b = speculative_sample(p, drafts[i], self.state.q[row, :drafts.shape[1]], req.generator)
+                q = self.state.q[row, :drafts.shape[1]] if drafts.shape[1] else None  # (AR steps: no drafts)
+                a, b = speculative_sample(p, drafts[i], q, req.generator)
                 accepted[i], bonus[i] = a, b
         return accepted, bonus
 

@@ -113,5 +113,5 @@ def probe() -> Capabilities:
 def warn_emulated_bf16() -> None:
     """Said once per process: an explicit bfloat16 on a CPU without native bf16 runs correctly, but slowly."""
     caps = probe()
-    logs.get("hardware").warning("bfloat16 on this CPU (%s, %s) is emulated: correct, but slower than float32; dtype auto picks "
-                "float32 here", caps.cpu_name, caps.cpu_isa)
+    logs.get("hardware").warning("bfloat16 on this CPU (%s, %s) is emulated: correct, but slower than float32; "
+                                 "dtype auto picks float32 here", caps.cpu_name, caps.cpu_isa)

@@ -25,7 +25,7 @@ from flexdraft import logs
 from flexdraft.bench import hf_generate, load_hf, markdown, timed
 from flexdraft.config import RuntimeConfig, data_dir, load_yaml
 from flexdraft.data import BENCH_DATASETS, UNAVAILABLE_DATASETS, bench_prompts, check_datasets
-from flexdraft.engine import NO_DRAFTER, Engine, EngineConfig
+from flexdraft.engine import Engine, EngineConfig
 from flexdraft.errors import FlexDraftError
 from flexdraft.generate import SamplingParams, generate
 from flexdraft.models.loading import load_model
@@ -420,8 +420,8 @@ def report(results: dict) -> str:
     decoding = sampled if cfg["temperature"] else "greedy"
     lines = [f"# FlexDraft benchmark, {results['date']}", "",
              f"* Machine: {hw.get('gpu') or hw['cpu']} ({hw['cpu_count']} CPUs, {hw['torch_threads']} torch threads), "
-             f"{hw.get('cpu_isa', '')}, {results['device']}, {results.get('dtype', cfg['dtype'])} (dtype {cfg['dtype']}; "
-             f"{results['attention']} attention, prepacked weights {results.get('prepacked')}); model {cfg['model']}; "
+             f"{hw.get('cpu_isa', '')}, {results['device']}, {results.get('dtype', cfg['dtype'])} ({results['attention']} "
+             f"attention), `dtype: {cfg['dtype']}`, prepacked weights {results.get('prepacked')}; model {cfg['model']}; "
              f"drafter {results['drafter'] or 'none'}; "
              f"n-gram store {results.get('store') or 'none'}; commit {results['git_commit']}.",
              f"* Prompts: a seeded sample (seed {cfg['seed']}) of max({cfg['samples']}, batch) per dataset and batch "

@@ -18,10 +18,10 @@ def greedy_accept(logits: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Ten
     return accepted, top.gather(1, accepted[:, None]).squeeze(1)
 
 
-def speculative_sample(p: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor,
+def speculative_sample(p: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None,
                        generator: torch.Generator | None) -> tuple[int, int]:
     """One row: p [Bv + 1, V] the target's (filtered) distributions at the verify tokens, drafts [Bv], q [Bv, V]
-    the (equally filtered) draft distributions -> (accepted, bonus). Accept d_j with probability
+    the (equally filtered) draft distributions (None when Bv = 0: an AR step) -> (accepted, bonus). Accept d_j with probability
     min(1, p_j(d_j) / q_j(d_j)); at the first rejection draw the bonus from normalize(max(0, p_j - q_j)), after
     all accepted from p_Bv: each emitted token is distributed exactly as the target's p."""
     Bv = drafts.shape[0]
