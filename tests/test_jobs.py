@@ -176,7 +176,9 @@ def test_budgeted_attention_in_a_pipeline_trains_until_the_rest_is_left(ray_head
     run_id = (cfg.root / f"attention-{meta['run_key']}.mlflow-run").read_text()
     assert mlflow_history(uri, run_id, "train/planned_steps", values=True) == [(10, 40)] and meta["steps"] == 40
     (_, budget_min), = mlflow_history(uri, run_id, "train/budget_min", values=True)
-    assert 5 < budget_min < 10  # the deadline's, less calibration's budget, evaluations, start-up and the margin
+    # the deadline's (less calibration's budget, evaluations, start-up and the margin; at least the 1-min floor),
+    # not the stage's own 0.03 s: how much less than 10 min depends on how long Ray Train took to start here
+    assert 1 <= budget_min < 10
 
 
 @pytest.mark.real_model
