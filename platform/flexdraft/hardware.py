@@ -98,11 +98,11 @@ def probe() -> Capabilities:
     global _probed
     if _probed is None:
         flags = set((cpuinfo("flags") or cpuinfo("Features")).split())
-        cuda = torch.cuda.is_available()
+        cuda, cap = torch.cuda.is_available(), onednn_isa_cap()
         _probed = Capabilities(
             arch=platform.machine(), cpu_name=cpuinfo("model name") or platform.processor() or platform.machine(),
-            cpu_isa=torch.backends.cpu.get_cpu_capability(), onednn_cap=onednn_isa_cap(),
-            cpu_bf16=bool(_BF16_FLAGS & flags) and _cap_allows_bf16(onednn_isa_cap()),
+            cpu_isa=torch.backends.cpu.get_cpu_capability(), onednn_cap=cap,
+            cpu_bf16=bool(_BF16_FLAGS & flags) and _cap_allows_bf16(cap),
             prepack=tuple(n for n, d in (("float32", torch.float32), ("bfloat16", torch.bfloat16)) if _can_prepack(d)),
             cuda=cuda, cuda_name=torch.cuda.get_device_name(0) if cuda else "",
             cuda_bf16=cuda and torch.cuda.is_bf16_supported())
