@@ -10,7 +10,8 @@ import torch
 from conftest import make_tiny_hf
 from flexdraft.config import RuntimeConfig
 from flexdraft.drafter import Drafter, DrafterConfig, read_drafter_meta, load_drafter
-from flexdraft.engine import Engine, EngineConfig, parallel_forward
+from flexdraft.drafter import parallel_forward
+from flexdraft.engine import Engine, EngineConfig
 from flexdraft.errors import FlexDraftError
 from flexdraft.generate import SamplingParams, filtered_logits, generate, prefill
 from flexdraft.lookup import NgramIndex, NgramStore

@@ -63,6 +63,30 @@ def tiny_pipeline(tmp_path_factory):
     return cfg, raw, root
 
 
+def fail_once_after(step: int, marker: Path):
+    """`jobs.train_func` whose workers raise once, right after reporting `step` (its checkpoint, when it makes one,
+    is then saved): the failure is injected from here, through Ray Train's own `report`, not by the job's code."""
+    from flexdraft import jobs
+
+    train_func = jobs.train_func
+
+    def failing_train_func(config: dict) -> None:
+        import ray.train
+
+        report = ray.train.report
+
+        def report_then_fail(metrics, *args, **kwargs):
+            report(metrics, *args, **kwargs)
+            if metrics.get("step") == step and not marker.exists():
+                marker.touch()  # once: the resumed attempt passes this step
+                raise RuntimeError(f"injected failure after step {step}")
+
+        ray.train.report = report_then_fail
+        train_func(config)
+
+    return failing_train_func
+
+
 def mlflow_history(uri: str, run_id: str, key: str, values: bool = False) -> list:
     """The steps at which a run logged metric `key`, in order; values: (step, value) pairs instead."""
     from mlflow.tracking import MlflowClient
@@ -73,8 +97,8 @@ def mlflow_history(uri: str, run_id: str, key: str, values: bool = False) -> lis
 
 @pytest.fixture(scope="module")
 def resumed_attention(ray_head, tiny_pipeline, tmp_path_factory):
-    """Attention tuning of the tiny config (2 workers, ZeRO-2, 6 steps, checkpoints at 3 and 6) whose worker
-    raises at step 4: Ray Train restarts it from the step-3 checkpoint. -> (its result, its MLflow URI)."""
+    """Attention tuning of the tiny config (2 workers, ZeRO-2, 6 steps, checkpoints at 3 and 6) whose workers
+    raise right after the step-3 checkpoint: Ray Train restarts them from it. -> (its result, its MLflow URI)."""
     from flexdraft.jobs import run_training
 
     cfg, _, _ = tiny_pipeline
@@ -83,21 +107,22 @@ def resumed_attention(ray_head, tiny_pipeline, tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:  # never the user's store; artifacts land relative to the cwd
         mp.setenv("MLFLOW_TRACKING_URI", uri)
         mp.chdir(home)
-        meta = run_training(cfg, "attention", fail_at_step=4)
-    return meta, uri
+        mp.setattr("flexdraft.jobs.train_func", fail_once_after(3, home / "attention.failed-once"))
+        meta = run_training(cfg, "attention")
+    return meta, uri, home
 
 
 def test_attention_then_calibration_with_failures_resume_exactly(resumed_attention, tiny_pipeline, monkeypatch,
                                                                   tmp_path):
-    """Attention tuning killed at step 4 resumes from its step-3 checkpoint and logs each step once, with before/after
+    """Attention tuning killed right after its step-3 checkpoint resumes from it and logs each step once, with before/after
     agreement; calibration (a 15 s budget: its step count is fixed at step 10), killed right after its step-12
     checkpoint, restarts from it with the count it fixed (never fixed again), ends there with the learning rate at
     its floor (10% of lr), having logged every 4th step once (nothing repeated, nothing lost)."""
     from flexdraft.jobs import run_stage, run_training
 
     cfg, _, _ = tiny_pipeline
-    meta, uri = resumed_attention
-    assert (cfg.root / f"attention-{meta['run_key']}.failed-once").is_file()  # the failure did happen
+    meta, uri, home = resumed_attention
+    assert (home / "attention.failed-once").is_file()  # the failure did happen
     assert meta["steps"] == 6 and meta["checkpoint"] and Path(meta["checkpoint"]).is_dir()
     run_id = (cfg.root / f"attention-{meta['run_key']}.mlflow-run").read_text()
     assert mlflow_history(uri, run_id, "train/loss") == [3, 6]
@@ -105,8 +130,9 @@ def test_attention_then_calibration_with_failures_resume_exactly(resumed_attenti
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     monkeypatch.chdir(tmp_path)
-    meta = run_training(cfg, "calibration", fail_at_step=12)
-    assert (cfg.root / f"calibration-{meta['run_key']}.failed-once").is_file()
+    monkeypatch.setattr("flexdraft.jobs.train_func", fail_once_after(12, tmp_path / "calibration.failed-once"))
+    meta = run_training(cfg, "calibration")
+    assert (tmp_path / "calibration.failed-once").is_file()
     run_id = (cfg.root / f"calibration-{meta['run_key']}.mlflow-run").read_text()
     fixed = mlflow_history(uri, run_id, "train/planned_steps", values=True)
     assert [step for step, _ in fixed] == [10]  # by the first attempt only
@@ -122,7 +148,7 @@ def test_attention_then_calibration_with_failures_resume_exactly(resumed_attenti
 def test_ray_job_submit_trains_exactly_the_drafter_of_the_resumed_run(ray_head, tiny_pipeline, resumed_attention,
                                                                       tmp_path):
     """`ray job submit --working-dir . -- python jobs/attn_tuning.py --config ...` against `ray start --head`, of the
-    tiny config, uninterrupted, ends with the very drafter (every tensor bitwise) of the run killed at step 4 and
+    tiny config, uninterrupted, ends with the very drafter (every tensor bitwise) of the run killed after step 3 and
     resumed from its step-3 checkpoint: a resume repeats and loses nothing, and a fresh drafter is seeded."""
     from flexdraft.drafter import Drafter, load_drafter
     from flexdraft.models.loading import load_model

@@ -388,3 +388,60 @@ def load_drafter(folder: str | Path, target: Transformer) -> Drafter:
                              f"(k={drafter.config.k} tuned layers expected; first mismatch: {bad[0]})")
     drafter.load_state_dict(state)
     return drafter.to(device=target.device, dtype=target.dtype)
+
+
+def parallel_forward(target: Transformer, drafter: Drafter, tokens: torch.Tensor, pos: torch.Tensor, cache,
+                     anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One target forward over verify tokens [n, T] that also carries, from the drafter's entry layer on, a
+    masked draft block per branch: branch anchors [n, m] (a = accepted drafts it assumes) -> clean hidden
+    states [n, T, d] and branch hidden states [n, m, T, d].
+
+    Branch a sits at positions pos[:, a] + 1 .. + T and sees the cached prefix plus verify tokens 0..a
+    (written into the cache by this layer's clean path before the branches read it) and its own block;
+    slot 0 is the mask (the bonus is not known yet). Clean and branch tokens share every GEMM whose weights
+    they share (norms, the target's projectors below the tuned layers, FFNs): at batch 1 the forward is
+    memory-bound and reading the weights once is what makes the branches nearly free (in the tuned layers the
+    paired projectors, `Drafter.pair_with`, read both sets at once). The clean tokens never
+    attend to a branch token, so their outputs equal a plain verify's up to the rounding of the larger GEMMs
+    (fp32: ~1e-6 relative; tested)."""
+    if drafter.paired is None:
+        raise FlexDraftError("parallel_forward needs the drafter paired with the target (Drafter.pair_with)")
+    n, T = tokens.shape
+    m = anchors.shape[1]
+    dev = tokens.device
+    e, s = drafter.config.entry_layer, drafter.first_tuned
+    span, N = int(pos.max()) + 1, m * T
+    base = pos[:, :1] + anchors  # [n, m]: position of verify token a (the branch's last visible one)
+    bpos = (base[:, :, None] + 1 + torch.arange(T, device=dev)).reshape(n, N)  # [n, N]
+    block_of = torch.arange(m, device=dev).repeat_interleave(T).expand(n, -1)
+    scratch = (span + torch.arange(N, device=dev)).expand(n, N)  # [n, N] cache slots of the branch tokens
+    same = block_of[:, :, None] == block_of[:, None, :]  # [n, N, N]
+    in_block = {"causal": same & (bpos[:, None, :] <= bpos[:, :, None]), "bidirectional": same}
+    # branch keys/values go to scratch slots span .. span+N-1, past every row's verify tokens (beyond the rows'
+    # lengths: never visible to a later step, overwritten by later writes), so that one attention per layer
+    # serves clean and branch queries over cache[:span + N] without copying the prefix:
+    # clean rows see the cache causally and no branch key; branch rows see their prefix and their block
+    clean = torch.cat(((torch.arange(span, device=dev) <= pos[..., None]), pos.new_zeros(n, T, N, dtype=torch.bool)), -1)
+    ctx = torch.arange(span, device=dev) <= base.repeat_interleave(T, dim=1)[:, :, None]  # [n, N, span]
+    masks = [target.attention_mask(torch.cat((clean, torch.cat((ctx, in_block[kind]), -1)), dim=1)[:, None])
+             for kind in ("causal", drafter.config.tuned_attention)]  # [n, 1, T + N, span + N]
+    x = target.embed_tokens(tokens)
+    cos_all, sin_all = target.rope(torch.cat((pos, bpos), dim=1), x.dtype)  # [n, 1, T + N, D]
+    if e:  # below the entry layer only the clean tokens run, exactly as in the target's forward
+        clean_mask = target.attention_mask(clean[:, None, :, :span])
+        for i, layer in enumerate(target.layers[:e]):
+            x = layer(x, cos_all[:, :, :T], sin_all[:, :, :T], clean_mask, cache.writer(i, pos, span))
+    xx = torch.cat((x, drafter.mask_embedding.to(x.dtype).expand(n, N, -1)), dim=1)  # [n, T + N, d]
+    is_clean = (torch.arange(T + N, device=dev) < T).expand(n, T + N)
+    for i in range(e, target.args.n_layers):
+        def kv(k, v, i=i):  # clean keys/values at their positions, the branches' in the scratch slots
+            (k, kb), (v, vb) = k.split((T, N), dim=2), v.split((T, N), dim=2)
+            cache.write(i, pos, k, v)
+            cache.write(i, scratch, kb, vb)
+            return cache.k[i][:, :, :span + N], cache.v[i][:, :, :span + N]
+
+        # tuned layer: the branches use the drafter's projectors (both sets in one GEMM)
+        attn = drafter.paired[i - s].at(is_clean) if i >= s else None
+        xx = target.layers[i](xx, cos_all, sin_all, masks[i >= s], kv, attn)
+    h = target.norm(xx)
+    return h[:, :T], h[:, T:].view(n, m, T, -1)

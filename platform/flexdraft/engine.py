@@ -32,14 +32,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flexdraft.drafter import Drafter
+from flexdraft.drafter import Drafter, parallel_forward
 from flexdraft.errors import FlexDraftError
 from flexdraft.generate import (Generation, SamplingParams, argmax_tokens, draw, filtered_logits, make_generator,
                                 prefill, sample, top_logprobs)
 from flexdraft.lookup import NgramIndex, NgramStore
 from flexdraft.models.transformer import Transformer
-from flexdraft.spec.policy import AcceptanceModel, CostModel, Plan, monotone
-from flexdraft.spec.trees import chain_trie, draft_tree, tree_ancestors, tree_sample, tree_tokens, tree_walk, trie_nodes
+from flexdraft.spec.planner import LOOKUP_MARGIN, Planner, measure, profile_shapes
+from flexdraft.spec.policy import Plan, branch_anchors
+from flexdraft.spec.trees import chain_trie, draft_tree, tree_ancestors, tree_sample, tree_tokens, tree_walk
 from flexdraft.spec.verify import greedy_accept, speculative_sample
 
 class Mode(str, enum.Enum):
@@ -183,7 +184,6 @@ class Engine:
             self.B = config.block_size or drafter.config.block_size
         else:
             self.B = (config.block_size or 8) if config.mode == "lookup" else 0
-        self.block_sizes = sorted({1, 2, 4, self.B} & set(range(1, self.B + 1)))  # drafts per row a plan weighs
         # n-gram size of prompt-lookup drafts (0: none); adaptive weighs them by cost only
         weighed = config.mode == "lookup" or (config.mode == "adaptive" and config.cost_model)
         self.lookup = config.lookup if weighed else 0
@@ -199,10 +199,9 @@ class Engine:
         self.waiting: deque[_Request] = deque()
         self.finished: dict[int, _Request] = {}
         self._ids = itertools.count()
-        self.acceptance = AcceptanceModel(max(self.B, 1), acceptance_prior, tree_nodes=config.tree_nodes)
-        self.costs = CostModel()
-        # (rows, rows without drafts) -> (adaptive plan, its tokens/s, step made)
-        self._plans: dict[tuple[int, int], tuple[Plan, float, int]] = {}
+        self.planner = Planner(self.B, config.switch_batch, config.tree_nodes, self.trees, config.cost_model,
+                               acceptance_prior)
+        self.acceptance, self.costs = self.planner.acceptance, self.planner.costs
         self.last_stats = StepStats("idle", 0)
         self.totals = {"steps": 0, "tokens": 0, "target_forwards": 0, "pruned_misses": 0, "parallel_rows": 0}
 
@@ -282,9 +281,8 @@ class Engine:
     def step(self) -> dict[int, list[int]]:
         """One decoding step for every active row (after admitting waiting requests): {id: new token ids}."""
         t0 = time.perf_counter()
-        out: dict[int, list[int]] = {}
-        stats = StepStats("idle", 0)
-        stats.admitted = self._admit(out, stats)
+        stats = self.last_stats = StepStats("idle", 0)  # this step's, filled as it goes
+        out = self._admit()
         self._retire()
         n = len(self.slots)
         if n:
@@ -294,14 +292,14 @@ class Engine:
                 need = (self.state.ndrafts[:n] < plan.block).nonzero().squeeze(-1)
                 if need.numel():
                     stats.drafted_rows = need.numel()
-                    self._draft(need, plan.block, stats)
-            self._verify(n, plan, out, stats)
+                    self._draft(need, plan.block)
+            for rid, tokens in self._verify(n, plan).items():  # (a row admitted this step: after its first)
+                out.setdefault(rid, []).extend(tokens)
             self._retire()
         self._sync()
         stats.seconds = time.perf_counter() - t0
         if n and not stats.admitted:
             self.costs.record_step(stats.mode, stats.seconds, sum(stats.forward_seconds.values()))
-        self.last_stats = stats
         self.totals["steps"] += 1
         self.totals["tokens"] += sum(len(v) for v in out.values())
         return out
@@ -310,46 +308,33 @@ class Engine:
         if self.target.device.type == "cuda":
             torch.cuda.synchronize()
 
-    def _timed(self, stats: StepStats, kind: str, fn, rows: int = 0, tokens: int = 0):
-        """Run fn, add its wall time to the step's stats under `kind` and, for a forward of `rows` rows x `tokens`
-        tokens each, to the cost model."""
+    def _timed(self, kind: str, fn, rows: int = 0, tokens: int = 0):
+        """Run fn, add its wall time to this step's `last_stats` under `kind` and, for a forward of `rows` rows x
+        `tokens` tokens each, to the cost model."""
         self._sync()
         t0 = time.perf_counter()
         result = fn()
         self._sync()
         dt = time.perf_counter() - t0
-        stats.forward_seconds[kind] = stats.forward_seconds.get(kind, 0.0) + dt
+        seconds = self.last_stats.forward_seconds
+        seconds[kind] = seconds.get(kind, 0.0) + dt
         if rows:
             self.costs.record(kind, rows, tokens, dt)
         return result
 
     def _choose(self, n: int) -> Plan:
         """The plan of a step with n rows. Forced modes use the config (lookup: AR when no row has a match).
-        Adaptive: parallel mode at <= switch_batch rows, sequential above; with the cost model, whichever of AR,
-        sequential with 1/2/4/B drafts, a tree of tree_nodes drafts and (at <= switch_batch rows) parallel with
-        1/2/4/B drafts and 1/2/3/all branches promises the most tokens per second (tokens from the acceptance
-        model, seconds from the measured costs), unless this step's lookup drafts promise more."""
-        cfg, B = self.config, self.B
+        Adaptive: the planner's (`Planner.adaptive`), unless this step's lookup drafts promise more."""
+        cfg = self.config
         if cfg.mode == "lookup":
-            return Plan("lookup", B) if self._propose(n) else Plan("ar")
+            return Plan("lookup", self.B) if self._propose(n) else Plan("ar")
         if cfg.mode != "adaptive":
-            return Plan(cfg.mode, 0 if cfg.mode == "ar" else B)
-        rule = "parallel" if n <= cfg.switch_batch else "sequential"
-        if not cfg.cost_model or not all(self.costs.known(k) for k in CostModel.KINDS):
-            return Plan(rule, B)
-        step = self.totals["steps"]
-        key = (n, int((self.state.ndrafts[:n] == 0).sum()))  # rows without drafts: fresh, pruned, after AR or lookup
-        if key not in self._plans or step - self._plans[key][2] >= 16:  # re-plan every 16 steps (costs drift slowly)
-            self._plans[key] = (*self._plan(*key, rule), step)
-        plan, rate, _ = self._plans[key]
-        if self.lookup:  # against an AR step, a margin (see LOOKUP_MARGIN)
-            return self._lookup_plan(n, rate * (self.LOOKUP_MARGIN if plan.mode == "ar" else 1.0)) or plan
+            return Plan(cfg.mode, 0 if cfg.mode == "ar" else self.B)
+        fresh = int((self.state.ndrafts[:n] == 0).sum())
+        plan, rate = self.planner.adaptive(n, fresh, self.totals["steps"])
+        if self.lookup and rate is not None:  # against an AR step, a margin (see LOOKUP_MARGIN)
+            return self._lookup_plan(n, rate * (LOOKUP_MARGIN if plan.mode == "ar" else 1.0)) or plan
         return plan
-
-    # A lookup step replaces a planned AR step only if it promises 50% more tokens/s: with long contexts a
-    # multi-token verify costs more, next to a one-token step, than the profile (taken at 256 cached tokens) says
-    # (docs/decoding.md). Against a speculative plan (a multi-token verify too) the bias cancels: no margin.
-    LOOKUP_MARGIN = 1.5
 
     def _propose(self, n: int, first: list[int] | None = None) -> bool:
         """This step's lookup chains of rows 0..n-1 (`_proposals`: per row its chains, the prompt's first, and the
@@ -385,12 +370,10 @@ class Engine:
         return [row for row, x in enumerate(left) if x >= max(left) - self.B]
 
     def _lookup_plan(self, n: int, rate_to_beat: float) -> Plan | None:
-        """A lookup step with 1/2/4/B drafts per row if one promises more than rate_to_beat tokens per second
-        (every row's match, its n-gram size's acceptance so far; rows without a match still get one token).
-        While the batch drains (`_critical_rows`), a step counts n times the tokens of its poorest critical row,
-        so it needs a match in every one of them. With a store it also weighs the prompt's chains alone: a trie
-        of two chains verifies up to twice the tokens, which at 4-16 rows costs more than the store's chains add
-        (and `_proposals` becomes what won)."""
+        """A lookup step if one promises more than rate_to_beat tokens per second (`Planner.lookup`); it needs a
+        match in every critical row (`_critical_rows`). With a store it also weighs the prompt's chains alone: a
+        trie of two chains verifies up to twice the tokens, which at 4-16 rows costs more than the store's chains
+        add (and `_proposals` becomes what won)."""
         critical = self._critical_rows(n)
         if not self._propose(n, first=critical):  # (a critical row without a match: n tokens, as AR, dearer)
             return None
@@ -398,20 +381,12 @@ class Engine:
         if self.store is not None:
             options.append([(cs[:1], kind) if kind and kind.startswith("lookup") else ([], None)
                             for cs, kind in self._proposals])
-        best, best_rate, chosen = None, rate_to_beat, None
-        for proposals in options:
-            kinds = [kind for _, kind in proposals]
-            for Bv in self.block_sizes:
-                expected = {k: self.acceptance.expected_accepted(k, Bv) for k in set(kinds) - {None}}
-                extra = [expected[k] if k else 0.0 for k in kinds]  # per row
-                tokens = n + (sum(extra) if critical is None else n * min(extra[r] for r in critical))
-                # verify tokens after the bonus: Bv for chains (one has at most Bv nodes), a trie's nodes
-                nodes = max([Bv] + [len(trie_nodes([c[:Bv] for c in cs])) for cs, _ in proposals if len(cs) > 1])
-                seconds = self.costs.seconds("target", n, nodes + 1) + self.costs.overhead("lookup")
-                if tokens / seconds > best_rate:
-                    best, best_rate, chosen = Plan("lookup", Bv), tokens / seconds, proposals
-        self._proposals = chosen or self._proposals
-        return best
+        best = self.planner.lookup(options, critical, rate_to_beat)
+        if best is None:
+            return None
+        plan, chosen = best
+        self._proposals = options[chosen]
+        return plan
 
     def _set_lookup_drafts(self, n: int, Bv: int) -> None:
         """Rows 0..n-1 get their (single) lookup chain, filled up to Bv with the row's bonus (a store chain can
@@ -427,81 +402,26 @@ class Engine:
             if not self.slots[row].params.greedy:
                 self.state.q[row, :Bv] = torch.nn.functional.one_hot(drafts[row], self.state.q.shape[-1]).float()
 
-    def _plan(self, n: int, fresh: int, rule: str) -> tuple[Plan, float]:
-        """-> the best plan for n rows, `fresh` of them without drafts, and its expected tokens per second."""
-        B = self.B
-        acc, costs = self.acceptance, self.costs
-        best, best_rate = Plan("ar"), n / (costs.seconds("target", n, 1) + costs.overhead("ar"))
-        for Bv in self.block_sizes:
-            tokens = n * (1 + acc.expected_accepted("sequential", Bv))
-            rate = tokens / (costs.seconds("target", n, Bv + 1) + costs.seconds("draft", n, Bv + 1)
-                             + costs.overhead("sequential"))
-            if rate > best_rate:
-                best, best_rate = Plan("sequential", Bv), rate
-        if self.trees:
-            rate = n * (1 + acc.expected_accepted("tree", B)) / (
-                costs.seconds("target", n, self.config.tree_nodes + 1) + costs.seconds("draft", n, B + 1)
-                + costs.overhead("tree"))
-            if rate > best_rate:
-                best, best_rate = Plan("tree", B), rate
-        for Bv in (self.block_sizes if rule == "parallel" else ()):
-            p_len = acc.length_distribution("parallel", Bv).sort(descending=True).values
-            # rows without drafts get a sequential drafter pass first (bonus-known drafts) and pay for it
-            tokens = ((n - fresh) * (1 + acc.expected_accepted("parallel", Bv))
-                      + fresh * (1 + acc.expected_accepted("sequential", Bv)))
-            first = costs.seconds("draft", fresh, Bv + 1) if fresh else 0.0
-            for m in sorted({1, 2, 3, Bv + 1} & set(range(1, Bv + 2))):
-                miss = max(0.0, 1 - float(p_len[:m].sum()))  # a pruned branch: a drafter pass next step
-                seconds = (first + costs.seconds("parallel", n, (Bv + 1) * (1 + m)) + costs.overhead("parallel")
-                           + miss * costs.seconds("draft", n, Bv + 1))
-                if tokens / seconds > best_rate:
-                    best, best_rate = Plan("parallel", Bv, m), tokens / seconds
-        return best, best_rate
-
     @torch.inference_mode()
     def profile(self, context: int = 256, rounds: int = 5, timer=None) -> dict:
-        """Time each kind of forward over the sizes the adaptive policy weighs (rows at `context` cached
-        tokens), seeding the cost model; must run while no request is active. Returns {kind: {(rows, tokens
-        per row): s}}. timer(kind, rows, tokens per row, branches) -> seconds: one forward, timed
-        (`_time_forward` by default).
-
-        A round runs every shape once; the first warms up, and each shape keeps its fastest run of the other
-        `rounds` (noise only adds). Rounds, not runs of one shape back to back: on this shared 2-core machine a
-        slow spell lasts a few forwards or seconds and caught every run of the shapes it fell on. Then no shape
-        costs more than one with as many or more rows and tokens (`monotone`: that one, measured faster, bounds
-        it). Measured at batch 1 (3 profiles each; decisions priced by a 12-round profile, no online updates):
-        one of three profiles taken the old way (fastest of 2 back-to-back runs) made adaptive take parallel
-        steps, 1.07x of AR on GSM8K and 1.77x on MT-Bench against 1.69-1.71x and 2.34-2.37x for the other two;
-        the three taken this way gave 1.63-1.64x and 2.27-2.35x."""
+        """Time each kind of forward over the shapes the planner prices (`planner.profile_shapes`; rows at
+        `context` cached tokens) and seed the cost model with them (`planner.measure`); must run while no request
+        is active. Returns {kind: {(rows, tokens per row): s}}. timer(kind, rows, tokens per row, branches) ->
+        seconds of one forward (`_time_forward` by default)."""
         if self.slots:
             raise FlexDraftError("profile() needs an idle engine (no active rows)")
         if self.drafter is None:
             return {}
-        R, B = self.config.max_batch, self.B
-        ctx = min(context, self.config.max_len - max((B + 1) * (B + 2), self.config.tree_nodes + 1))  # verify room
-        self.cache.lens.fill_(ctx)
+        B = self.B
+        self.cache.lens.fill_(min(context, self.config.max_len - max((B + 1) * (B + 2), self.config.tree_nodes + 1)))
         self.state.bonus.fill_(0)
         self.state.drafts.fill_(0)
-        blocks = sorted({2, 3, 5, B + 1} & set(range(2, B + 2)))  # the block lengths the policy weighs
-        # + a lookup trie of two chains, measured with or without a store: engines that differ only in their store
-        # share one cached profile (two profiles measured apart priced parallel steps apart by their noise)
-        verify = sorted({1, *blocks, 2 * B + 1} | ({self.config.tree_nodes + 1} if self.trees else set()))
-        shapes = [("target", n, T, 0) for n in (1, 2, 4, 8, 16, 32, 64) if n <= R for T in verify]
-        shapes += [("draft", n, T, 0) for n in (1, 2, 4, 8, 16, 32, 64) if n <= R for T in blocks]
-        S = min(self.config.switch_batch, R)
-        shapes += [("parallel", n, B + 1, m) for n in (1, 2, 4) if n <= max(S, 1) for m in (1, 2, B + 1)]
-        shapes += [("parallel", 1, T, 1) for T in blocks[:-1]]  # the smallest verify + branch forwards
-
-        timer = timer or self._time_forward
-        points: dict = {k: {} for k in CostModel.KINDS}
-        for r in range(rounds + 1):
-            for kind, n, T, m in shapes:
-                seconds, key = timer(kind, n, T, m), (n, T * (1 + m))
-                if r:
-                    points[kind][key] = min(seconds, points[kind].get(key, seconds))
-        points = {kind: monotone(pts) for kind, pts in points.items()}
+        shapes = profile_shapes(self.config.max_batch, B, self.config.switch_batch,
+                                self.config.tree_nodes if self.trees else 0)
+        points = measure(shapes, timer or self._time_forward, rounds)
         self.costs.set_profile(points)
         self.cache.lens.zero_()
+        self.last_stats = StepStats("idle", 0)
         return points
 
     def _time_forward(self, kind: str, n: int, T: int, m: int) -> float:
@@ -515,28 +435,27 @@ class Engine:
         runs = {"target": lambda: self._target_logits(tokens, pos, self.cache.rows(0, n)),
                 "draft": lambda: self._draft_forward(rows, T - 1),
                 "parallel": lambda: self._parallel_logits(tokens, pos, self.cache.rows(0, n), anchors)}
-        stats = StepStats("profile", n)
-        self._timed(stats, kind, runs[kind])
-        return stats.forward_seconds[kind]
+        self.last_stats = StepStats("profile", n)
+        self._timed(kind, runs[kind])
+        return self.last_stats.forward_seconds[kind]
 
-    def _admit(self, out, stats) -> int:
-        """Prefill waiting requests into free rows (longest first) and emit their first token."""
+    def _admit(self) -> dict[int, list[int]]:
+        """Prefill waiting requests into free rows (longest first) -> {id: [their first token]}."""
         free = self.config.max_batch - len(self.slots)
         if not free or not self.waiting:
-            return 0
+            return {}
         new = [self.waiting.popleft() for _ in range(min(free, len(self.waiting)))]
         new.sort(key=lambda r: -len(r.prompt))
         n0 = len(self.slots)
         rows = torch.arange(n0, n0 + len(new), device=self.target.device)
         view = self.cache.rows(n0, n0 + len(new))
-        h = self._timed(stats, "prefill", lambda: prefill(self.target, view, [r.prompt for r in new]))
+        h = self._timed("prefill", lambda: prefill(self.target, view, [r.prompt for r in new]))
         self.slots.extend(new)
         first = self._sample(self.target.logits(h), rows)  # [k]
         self.state.bonus[rows] = first
         self.state.ndrafts[rows] = 0
-        for r, tok in zip(range(n0, n0 + len(new)), first.tolist()):
-            self._emit(r, [tok], out)
-        return len(new)
+        self.last_stats.admitted = len(new)
+        return {req.id: self._emit(r, [tok]) for r, req, tok in zip(range(n0, n0 + len(new)), new, first.tolist())}
 
     def _sample(self, logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """logits [r, V] of rows -> [r] tokens drawn with each row's own params and generator."""
@@ -547,8 +466,8 @@ class Engine:
                 tokens[i] = sample(logits[i : i + 1], req.params, req.generator)[0]
         return tokens
 
-    def _emit(self, row: int, tokens: list[int], out) -> None:
-        """Append tokens to the row's request, cut at EOS or max_new_tokens."""
+    def _emit(self, row: int, tokens: list[int]) -> list[int]:
+        """Append tokens to the row's request, cut at EOS or max_new_tokens -> the tokens it kept."""
         req = self.slots[row]
         room = req.params.max_new_tokens - len(req.tokens)
         emitted = []
@@ -562,7 +481,7 @@ class Engine:
             req.index.extend(emitted)
         if req.finish_reason is None and len(req.tokens) >= req.params.max_new_tokens:
             req.finish_reason = "length"
-        out.setdefault(req.id, []).extend(emitted)
+        return emitted
 
     def _set_drafts(self, rows: torch.Tensor, logits: torch.Tensor, from_branch: bool = False) -> None:
         """Draft logits [r, Bv, V] of rows -> drafts (argmax, or drawn from q for sampled rows) + confidences."""
@@ -590,9 +509,9 @@ class Engine:
         self.state.ndrafts[rows] = Bv
         self.state.from_branch[rows] = from_branch
 
-    def _draft(self, rows: torch.Tensor, Bv: int, stats: StepStats) -> None:
+    def _draft(self, rows: torch.Tensor, Bv: int) -> None:
         """Sequential drafter pass for `rows`: slot 0 = their known bonus, slots 1..Bv draft."""
-        logits = self._timed(stats, "draft", lambda: self._draft_forward(rows, Bv), rows.numel(), Bv + 1)
+        logits = self._timed("draft", lambda: self._draft_forward(rows, Bv), rows.numel(), Bv + 1)
         self._set_drafts(rows, logits)
 
     def _draft_forward(self, rows: torch.Tensor, Bv: int) -> torch.Tensor:
@@ -613,18 +532,18 @@ class Engine:
                              clean=clean)
         return self.target.logits(h[:, self.drafter.draft_slots(Bv, bonus_known=True)])
 
-    def _verify(self, n: int, plan: Plan, out, stats: StepStats) -> None:
+    def _verify(self, n: int, plan: Plan) -> dict[int, list[int]]:
         """Target forward over [bonus, d_1..d_Bv] of rows 0..n-1 (+ branches in parallel mode), acceptance,
-        emission, cache rollback by length."""
+        cache rollback by length -> {id: emitted tokens}."""
         mode, Bv = plan.mode, plan.block
         if mode == "tree":
             depth, parent, rank = draft_tree(self.state.cand_logp[:n, :Bv], self.config.tree_nodes)  # [n, N]
             nodes = tree_tokens(self.state.cand[:n, :Bv], depth, rank)
-            return self._verify_tree(n, Bv, depth, parent, nodes, ["tree"] * n, out, stats)
+            return self._verify_tree(n, Bv, depth, parent, nodes, ["tree"] * n)
         if mode == "lookup" and any(len(chains) > 1 for chains, _ in self._proposals):  # verified as a token trie
             chains = [[c[:Bv] for c in cs] for cs, _ in self._proposals]
             depth, parent, nodes = chain_trie(chains, self.state.bonus[:n].tolist(), self.target.device)
-            return self._verify_tree(n, Bv, depth, parent, nodes, [k for _, k in self._proposals], out, stats)
+            return self._verify_tree(n, Bv, depth, parent, nodes, [k for _, k in self._proposals])
         if mode == "lookup":
             self._set_lookup_drafts(n, Bv)
         dev, T = self.target.device, Bv + 1
@@ -634,11 +553,11 @@ class Engine:
         pos = lens[:, None] + torch.arange(T, device=dev)
         view = self.cache.rows(0, n)
         if mode == "parallel":
-            anchors = self._branches(n, Bv, plan.branches, stats)  # [n, m]
-            logits, hb = self._timed(stats, "parallel", lambda: self._parallel_logits(tokens, pos, view, anchors),
+            anchors = self._branches(n, Bv, plan.branches)  # [n, m]
+            logits, hb = self._timed("parallel", lambda: self._parallel_logits(tokens, pos, view, anchors),
                                      n, T * (1 + anchors.shape[1]))
         else:
-            logits = self._timed(stats, "target", lambda: self._target_logits(tokens, pos, view), n, T)
+            logits = self._timed("target", lambda: self._target_logits(tokens, pos, view), n, T)
             hb = None
         accepted, new_bonus = self._accept(logits, tokens[:, 1:], rows)  # [n], [n]
         if mode == "ar":
@@ -647,32 +566,35 @@ class Engine:
             kinds = [kind for _, kind in self._proposals]
         else:
             kinds = ["parallel" if b else "sequential" for b in self.state.from_branch[:n].tolist()]
-        self._commit(n, lens, accepted, new_bonus, self.state.drafts[:n, :Bv], kinds, Bv, out, stats)
+        out = self._commit(n, lens, accepted, new_bonus, self.state.drafts[:n, :Bv], kinds, Bv)
         if hb is not None:
-            self._take_branches(hb, anchors, accepted, new_bonus, Bv, stats)
+            self._take_branches(hb, anchors, accepted, new_bonus, Bv)
+        return out
 
-    def _commit(self, n, lens, accepted, new_bonus, drafts, kinds, Bv, out, stats) -> None:
+    def _commit(self, n, lens, accepted, new_bonus, drafts, kinds, Bv) -> dict[int, list[int]]:
         """After a verify of rows 0..n-1 (old lengths lens [n]): the cache keeps each row's bonus and accepted
         drafts (the first accepted[r] of drafts [n, >= max accepted], which must sit in the cache's next slots),
         the new bonus waits for the next step, and the row emits drafts + bonus. kinds: per row, which
-        acceptance statistics the step counts towards (None: an AR step)."""
+        acceptance statistics the step counts towards (None: an AR step). -> {id: emitted tokens}"""
         self.totals["target_forwards"] += 1
         self.cache.lens[:n] = lens + accepted + 1
         self.state.bonus[:n] = new_bonus
         self.state.ndrafts[:n] = 0
         acc = accepted.tolist()
         if kinds is not None:
-            stats.accepted = acc
+            self.last_stats.accepted = acc
             for kind in set(kinds) - {None}:
                 self.acceptance.record(kind, Bv, [a for a, k in zip(acc, kinds) if k == kind])
         drafts, bonus = drafts.tolist(), new_bonus.tolist()
+        out = {}
         for r in range(n):
             self.slots[r].forwards += 1
             if kinds is not None:
                 self.slots[r].accepted.append(acc[r])
-            self._emit(r, drafts[r][: acc[r]] + [bonus[r]], out)
+            out[self.slots[r].id] = self._emit(r, drafts[r][: acc[r]] + [bonus[r]])
+        return out
 
-    def _verify_tree(self, n: int, Bv: int, depth, parent, nodes, kinds, out, stats: StepStats) -> None:
+    def _verify_tree(self, n: int, Bv: int, depth, parent, nodes, kinds) -> dict[int, list[int]]:
         """Rows 0..n-1: the target verifies a token tree per row (the bonus, then nodes [n, N] at depth [n, N]
         <= Bv with parent [n, N], sorted by depth: a drafter tree from `draft_tree`, or lookup chains merged by
         `chain_trie`) in one forward. Greedy rows accept the deepest node whose path equals the target's own
@@ -691,7 +613,7 @@ class Engine:
         tree_part = anc.gather(2, rel.clamp(0, N).expand(n, N + 1, span)) & (rel >= 0) & (rel <= N)
         mask = (rel < 0) | tree_part  # [n, N + 1, span]: the row's prefix and the node's own path
         view = self.cache.rows(0, n)
-        logits = self._timed(stats, "target", lambda: self.target.logits(
+        logits = self._timed("target", lambda: self.target.logits(
             self.target(tokens, pos, view, mask=mask, span=span, slots=slots)), n, N + 1)
         top = argmax_tokens(logits)  # [n, N + 1]
         accepted, node = tree_walk(nodes == top.gather(1, parent), anc, depth)
@@ -711,7 +633,7 @@ class Engine:
         rows = torch.arange(n, device=dev)[:, None]
         for kv in (*view.k, *view.v):  # [n, Hkv, S, D]
             kv[rows, :, lens[:, None] + dst] = kv[rows, :, lens[:, None] + src]
-        self._commit(n, lens, accepted, new_bonus, tokens.gather(1, src.clamp(max=N)), kinds, Bv, out, stats)
+        return self._commit(n, lens, accepted, new_bonus, tokens.gather(1, src.clamp(max=N)), kinds, Bv)
 
     def _target_logits(self, tokens, pos, cache) -> torch.Tensor:
         """[n, T] tokens -> [n, T, V] logits (the LM head is timed with the forward: at batch 1 it is ~15%)."""
@@ -735,30 +657,20 @@ class Engine:
                 accepted[i], bonus[i] = a, b
         return accepted, bonus
 
-    def _branches(self, n: int, Bv: int, cap: int, stats: StepStats) -> torch.Tensor:
-        """Selective verification: per row, the accepted lengths a (branch anchors) most probable under
-        P(accept >= a) = prod_{j<=a} c_j and P(accept = a) = P(>= a) (1 - c_{a+1}) -> [n, m], most probable first."""
-        c = self.state.conf[:n, :Bv].double()
-        ge = torch.cat((torch.ones(n, 1, dtype=c.dtype, device=c.device), c.cumprod(-1)), dim=1)  # [n, Bv+1]
-        eq = ge * (1 - torch.cat((c, torch.zeros_like(c[:, :1])), dim=1))
-        m = Bv + 1
-        if self.config.rho < 1:
-            mass = eq.sort(-1, descending=True).values.cumsum(-1)
-            m = int((mass < self.config.rho * eq.sum(-1, keepdim=True)).sum(-1).max()) + 1
-        for limit in (self.config.top_m, cap):
-            if limit:
-                m = min(m, limit)
-        stats.branches = float(min(m, Bv + 1))
-        return eq.topk(min(m, Bv + 1), dim=-1).indices
+    def _branches(self, n: int, Bv: int, cap: int) -> torch.Tensor:
+        """Selective verification: rows 0..n-1's branch anchors [n, m], most probable first (`branch_anchors`)."""
+        anchors = branch_anchors(self.state.conf[:n, :Bv], self.config.rho, self.config.top_m, cap)
+        self.last_stats.branches = float(anchors.shape[1])
+        return anchors
 
-    def _take_branches(self, hb, anchors, accepted, new_bonus, Bv, stats) -> None:
+    def _take_branches(self, hb, anchors, accepted, new_bonus, Bv) -> None:
         """hb [n, m, Bv+1, d]: the branch whose anchor equals the accepted length becomes the row's drafts
         (calibrated with the bonus); rows whose branch was pruned draft sequentially next step."""
         n = anchors.shape[0]
         hit = anchors == accepted[:, None]  # [n, m]
         rows = hit.any(-1).nonzero().squeeze(-1)
         misses = n - rows.numel()
-        stats.pruned_misses = misses
+        self.last_stats.pruned_misses = misses
         self.totals["pruned_misses"] += misses
         self.totals["parallel_rows"] += n
         if not rows.numel():
@@ -802,59 +714,3 @@ class Engine:
             g.seconds = seconds
         return results
 
-
-def parallel_forward(target: Transformer, drafter: Drafter, tokens: torch.Tensor, pos: torch.Tensor, cache,
-                     anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One target forward over verify tokens [n, T] that also carries, from the drafter's entry layer on, a
-    masked draft block per branch: branch anchors [n, m] (a = accepted drafts it assumes) -> clean hidden
-    states [n, T, d] and branch hidden states [n, m, T, d].
-
-    Branch a sits at positions pos[:, a] + 1 .. + T and sees the cached prefix plus verify tokens 0..a
-    (written into the cache by this layer's clean path before the branches read it) and its own block;
-    slot 0 is the mask (the bonus is not known yet). Clean and branch tokens share every GEMM whose weights
-    they share (norms, the target's projectors below the tuned layers, FFNs): at batch 1 the forward is
-    memory-bound and reading the weights once is what makes the branches nearly free (in the tuned layers the
-    paired projectors, `Drafter.pair_with`, read both sets at once). The clean tokens never
-    attend to a branch token, so their outputs equal a plain verify's up to the rounding of the larger GEMMs
-    (fp32: ~1e-6 relative; tested)."""
-    if drafter.paired is None:
-        raise FlexDraftError("parallel_forward needs the drafter paired with the target (Drafter.pair_with)")
-    n, T = tokens.shape
-    m = anchors.shape[1]
-    dev = tokens.device
-    e, s = drafter.config.entry_layer, drafter.first_tuned
-    span, N = int(pos.max()) + 1, m * T
-    base = pos[:, :1] + anchors  # [n, m]: position of verify token a (the branch's last visible one)
-    bpos = (base[:, :, None] + 1 + torch.arange(T, device=dev)).reshape(n, N)  # [n, N]
-    block_of = torch.arange(m, device=dev).repeat_interleave(T).expand(n, -1)
-    scratch = (span + torch.arange(N, device=dev)).expand(n, N)  # [n, N] cache slots of the branch tokens
-    same = block_of[:, :, None] == block_of[:, None, :]  # [n, N, N]
-    in_block = {"causal": same & (bpos[:, None, :] <= bpos[:, :, None]), "bidirectional": same}
-    # branch keys/values go to scratch slots span .. span+N-1, past every row's verify tokens (beyond the rows'
-    # lengths: never visible to a later step, overwritten by later writes), so that one attention per layer
-    # serves clean and branch queries over cache[:span + N] without copying the prefix:
-    # clean rows see the cache causally and no branch key; branch rows see their prefix and their block
-    clean = torch.cat(((torch.arange(span, device=dev) <= pos[..., None]), pos.new_zeros(n, T, N, dtype=torch.bool)), -1)
-    ctx = torch.arange(span, device=dev) <= base.repeat_interleave(T, dim=1)[:, :, None]  # [n, N, span]
-    masks = [target.attention_mask(torch.cat((clean, torch.cat((ctx, in_block[kind]), -1)), dim=1)[:, None])
-             for kind in ("causal", drafter.config.tuned_attention)]  # [n, 1, T + N, span + N]
-    x = target.embed_tokens(tokens)
-    cos_all, sin_all = target.rope(torch.cat((pos, bpos), dim=1), x.dtype)  # [n, 1, T + N, D]
-    if e:  # below the entry layer only the clean tokens run, exactly as in the target's forward
-        clean_mask = target.attention_mask(clean[:, None, :, :span])
-        for i, layer in enumerate(target.layers[:e]):
-            x = layer(x, cos_all[:, :, :T], sin_all[:, :, :T], clean_mask, cache.writer(i, pos, span))
-    xx = torch.cat((x, drafter.mask_embedding.to(x.dtype).expand(n, N, -1)), dim=1)  # [n, T + N, d]
-    is_clean = (torch.arange(T + N, device=dev) < T).expand(n, T + N)
-    for i in range(e, target.args.n_layers):
-        def kv(k, v, i=i):  # clean keys/values at their positions, the branches' in the scratch slots
-            (k, kb), (v, vb) = k.split((T, N), dim=2), v.split((T, N), dim=2)
-            cache.write(i, pos, k, v)
-            cache.write(i, scratch, kb, vb)
-            return cache.k[i][:, :, :span + N], cache.v[i][:, :, :span + N]
-
-        # tuned layer: the branches use the drafter's projectors (both sets in one GEMM)
-        attn = drafter.paired[i - s].at(is_clean) if i >= s else None
-        xx = target.layers[i](xx, cos_all, sin_all, masks[i >= s], kv, attn)
-    h = target.norm(xx)
-    return h[:, :T], h[:, T:].view(n, m, T, -1)

@@ -23,7 +23,7 @@ import torch
 
 from flexdraft import logs
 from flexdraft.bench import hf_generate, load_hf, markdown, timed
-from flexdraft.config import RuntimeConfig, data_dir, load_yaml
+from flexdraft.config import RuntimeConfig, data_dir, from_dict, load_yaml
 from flexdraft.data import BENCH_DATASETS, UNAVAILABLE_DATASETS, bench_prompts, check_datasets
 from flexdraft.engine import Engine, EngineConfig
 from flexdraft.errors import FlexDraftError
@@ -91,8 +91,9 @@ class HarnessConfig:
     repeats: int = 1
     methods: list[str] = field(default_factory=lambda: list(METHODS))
     top_m: int = 2  # parallel-pruned keeps this many branches per row
-    switch_batch: int = 4
-    tree_nodes: int = 8  # tree and adaptive: drafts per row verified as a token tree (0 = no trees)
+    # EngineConfig settings for every engine method (switch_batch, tree_nodes, rho, lookup, ...; defaults: the
+    # engine's); each method's own settings win (its mode, parallel-pruned's top_m)
+    engine: dict = field(default_factory=dict)
     prompt_lookup_tokens: int = 10
     # the all-branch parallel rows (ablation) run up to this batch size (0 = all): (B+1)^2 branch tokens per row
     # make them ~10x slower than AR at batch 16 on this CPU, minutes per cell that tell nothing new
@@ -107,8 +108,10 @@ class HarnessConfig:
         for key in ("samples", "max_new_tokens", "answer_tokens", "repeats", "top_m", "prompt_lookup_tokens"):
             if getattr(self, key) < 1:
                 raise FlexDraftError(f"{key} must be >= 1, got {getattr(self, key)}")
-        if self.tree_nodes < 0:
-            raise FlexDraftError(f"tree_nodes must be >= 0 (0 = no trees), got {self.tree_nodes}")
+        per_method = sorted({"mode", "max_batch", "max_len"} & set(self.engine))
+        if per_method:
+            raise FlexDraftError(f"engine.{per_method[0]} is set per method and batch size by the harness: remove it")
+        from_dict(EngineConfig, self.engine, ".engine")  # unknown keys and wrong types, named
         self.params()  # temperature and top_p checked as the engine will take them
         if self.all_branches_max_batch < 0:
             raise FlexDraftError(f"all_branches_max_batch must be >= 0 (0 = no limit), got {self.all_branches_max_batch}")
@@ -144,8 +147,7 @@ def skip_reason(method: str, batch: int, cfg: HarnessConfig) -> str | None:
 
 def _engine(lm, choice, store, cfg: HarnessConfig, method: str, batch: int, max_len: int) -> Engine:
     overrides = {k: (cfg.top_m if k == "top_m" else v) for k, v in METHODS[method].engine}
-    ec = EngineConfig(max_batch=batch, max_len=max_len, switch_batch=cfg.switch_batch, tree_nodes=cfg.tree_nodes,
-                      **overrides)
+    ec = from_dict(EngineConfig, {**cfg.engine, "max_batch": batch, "max_len": max_len, **overrides})
     return build_engine(lm, choice, ec, store if METHODS[method].store else None)
 
 

@@ -197,45 +197,55 @@ def _evaluate(drafter, target, rows: list[dict], tc: TrainConfig, rank: int, wor
     return agreement_metrics(total)
 
 
-def train_func(config: dict) -> None:
-    """Ray Train worker loop (one per worker): DeepSpeed over the drafter's trainable tensors, the frozen target
-    beside it, checkpoints through ray.train.report, exact resume from ray.train.get_checkpoint()."""
-    import ray.train
-    import ray.train.torch
-
-    cfg: PipelineConfig = from_dict(PipelineConfig, config["pipeline"])
-    stage: str = config["stage"]
-    tc = _stage_config(cfg, stage)
+def _prepare(cfg: PipelineConfig, stage: str, tc: TrainConfig, device: torch.device):
+    """The worker's models and DeepSpeed engine: the frozen target, the drafter (fresh for attention tuning, the
+    tuned one for calibration) wrapped by `deepspeed.initialize` with AdamW over the stage's tensors and the
+    budget's LR schedule -> (lm, runtime, engine, scheduler, plan)."""
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if cfg.workers.use_gpu else "cpu")
     import deepspeed
 
-    from flexdraft.drafter import Drafter, load_drafter, save_drafter, weights_fingerprint
+    from flexdraft.drafter import Drafter, load_drafter
     from flexdraft.models.loading import load_model
-    from flexdraft.training import collate, training_step
 
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    torch.set_num_threads(cfg.workers.threads_per_worker)
-    device = ray.train.torch.get_device()
     runtime = RuntimeConfig(device=str(device), dtype=tc.train_dtype(device.type),
                             threads=cfg.workers.threads_per_worker, cpu_prepack=False,
                             # the block pass: one kernel for every worker and restart (SDPA's CPU backward
                             # is slow); the frozen target pass always takes SDPA (training.target_pass)
                             cpu_attention="math")
-    dtype = runtime.torch_dtype()
     lm = load_model(cfg.model, runtime, with_tokenizer=False)
-    target = lm.model
-    drafter = (Drafter.from_target(target, cfg.drafter) if stage == "attention"
-               else load_drafter(cfg.drafter_dir("attention"), target))
+    drafter = (Drafter.from_target(lm.model, cfg.drafter) if stage == "attention"
+               else load_drafter(cfg.drafter_dir("attention"), lm.model))
     params = drafter.parameters_for(stage)
-    # fused: one vectorised pass over DeepSpeed's flat fp32 partition (5 ms against 51 ms per step on one CPU
-    # thread for the 10.6M entries of a k = 24 drafter's half)
     plan = StepPlan(tc)
+    # fused: one vectorised pass over DeepSpeed's flat fp32 partition (~10x faster than the loop on a CPU thread)
     optimizer = torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay, fused=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(tc, plan))
-    engine, optimizer, _, scheduler = deepspeed.initialize(
-        model=drafter, optimizer=optimizer, lr_scheduler=scheduler, model_parameters=params,
-        config=_deepspeed_config(tc, dtype))
+    engine, _, _, scheduler = deepspeed.initialize(model=drafter, optimizer=optimizer, lr_scheduler=scheduler,
+                                                   model_parameters=params,
+                                                   config=_deepspeed_config(tc, runtime.torch_dtype()))
+    return lm, runtime, engine, scheduler, plan
+
+
+def train_func(config: dict) -> None:
+    """Ray Train worker loop (one per worker), in the shape of Ray's DeepSpeed example: DeepSpeed over the
+    drafter's trainable tensors beside the frozen target, resume from ray.train.get_checkpoint(), the dataset
+    shard, then steps; every checkpoint_every steps a DeepSpeed checkpoint through ray.train.report. A time
+    budget sets the step count (`budget.StepPlan`, `StepClock`); rank 0 logs to the run's MLflow run."""
+    import ray.train
+    import ray.train.torch
+
+    from flexdraft.drafter import save_drafter, weights_fingerprint
+    from flexdraft.training import collate, training_step
+
+    cfg: PipelineConfig = from_dict(PipelineConfig, config["pipeline"])
+    stage: str = config["stage"]
+    tc = _stage_config(cfg, stage)
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    torch.set_num_threads(cfg.workers.threads_per_worker)
+    device = ray.train.torch.get_device()
+    lm, runtime, engine, scheduler, plan = _prepare(cfg, stage, tc, device)
+    target = lm.model
 
     start = 0
     checkpoint = ray.train.get_checkpoint()
@@ -269,46 +279,42 @@ def train_func(config: dict) -> None:
             ray.train.report({**metrics, "step": step})
             return
         with tempfile.TemporaryDirectory() as tmp:
-            client = {"step": step, **plan.state()}
-            engine.save_checkpoint(tmp, tag="ds", client_state=client)
+            engine.save_checkpoint(tmp, tag="ds", client_state={"step": step, **plan.state()})
             ray.train.report({**metrics, "step": step}, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+
+    def evaluate() -> dict:
+        engine.module.eval()
+        return {f"eval/{k}": v for k, v in _evaluate(engine.module, target, val_rows, tc, rank, world, device).items()}
 
     eval_s = None  # this attempt's first evaluation: how long the pipeline's later ones will take
     if start == 0 and stage == "attention":  # the untrained drafter, for before/after
-        engine.module.eval()
         t_eval = time.time()
-        report({f"eval/{k}": v for k, v in _evaluate(engine.module, target, val_rows, tc, rank, world, device).items()},
-               0, save=False)
+        report(evaluate(), 0, save=False)
         eval_s = time.time() - t_eval
     # a resumed attempt (no first evaluation timed) keeps the stage's own budget
     by_deadline = bool(config.get("deadline")) and not plan.fixed and eval_s is not None
     if by_deadline:
         plan.budget_s = deadline_budget(cfg, config["deadline"], config["launched"], time.time(), eval_s)
 
-    def reduce_max(values: list[float]) -> list[float]:
+    def reduce(values: list[float], op=None) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64)
         if world > 1:
-            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+            torch.distributed.all_reduce(t, op=op or torch.distributed.ReduceOp.SUM)
         return t.tolist()
 
-    t_window, seq_tokens, blocks, losses = time.perf_counter(), 0, 0, []
-    t_run, run_totals = time.perf_counter(), torch.zeros(2, dtype=torch.float64)  # this attempt's tokens, blocks
-    clock = StepClock(plan, start, reduce_max)
+    clock = StepClock(plan, start, lambda v: reduce(v, torch.distributed.ReduceOp.MAX))
+    window = Window()
+    t_run, run_tokens, run_blocks = time.perf_counter(), 0, 0  # this attempt's
     step = start
     while step < plan.steps:
-        if config.get("fail_at_step") == step and not Path(config["fail_marker"]).exists():
-            Path(config["fail_marker"]).touch()  # fail once (the resumed attempt passes this step)
-            raise RuntimeError(f"injected failure at step {step}")
         engine.module.train()
         seqs = collate(_batch(train_rows, step, tc.batch_size, tc.seed * 1000 + rank), device)
         g = torch.Generator().manual_seed(hash((tc.seed, rank, step)) % 2 ** 62)
         out = training_step(engine.module, target, seqs, stage, tc.anchors_per_seq, tc.loss, tc.slot_decay, g)
         engine.backward(out.loss)
         engine.step()
-        losses.append(out.loss.item())
-        seq_tokens += out.tokens
-        blocks += out.blocks
-        run_totals += torch.tensor([out.tokens, out.blocks], dtype=torch.float64)
+        window.add(out.loss.item(), out.tokens, out.blocks)
+        run_tokens, run_blocks = run_tokens + out.tokens, run_blocks + out.blocks
         done = step + 1
         was_fixed = plan.fixed
         event = clock.step_done(done)
@@ -320,26 +326,20 @@ def train_func(config: dict) -> None:
             log(stage, event)
             mlflow.log_metric("train/planned_steps", plan.steps, step=done)
         if done % tc.log_every == 0 or done % tc.checkpoint_every == 0 or done == plan.steps:
-            stats = torch.tensor([sum(losses) / len(losses), seq_tokens, blocks], dtype=torch.float64)
-            if world > 1:
-                torch.distributed.all_reduce(stats)
-            dt = time.perf_counter() - t_window
-            metrics = {"train/loss": stats[0].item() / world, "train/lr": scheduler.get_last_lr()[0],
-                       "train/seq_tokens_per_s": stats[1].item() / dt, "train/blocks_per_s": stats[2].item() / dt}
+            metrics = window.metrics(reduce, world, scheduler.get_last_lr()[0])
             if rank == 0:
                 log(stage, f"step {done}/{plan.steps} loss {metrics['train/loss']:.3f} lr {metrics['train/lr']:.2e} "
-                           f"{metrics['train/seq_tokens_per_s']:.0f} seq tok/s {metrics['train/blocks_per_s']:.1f} blocks/s")
+                           f"{metrics['train/seq_tokens_per_s']:.0f} seq tok/s "
+                           f"{metrics['train/blocks_per_s']:.1f} blocks/s")
             report(metrics, done, save=done % tc.checkpoint_every == 0 or done == plan.steps)
-            t_window, seq_tokens, blocks, losses = time.perf_counter(), 0, 0, []
+            window = Window()
         step = done
 
     train_seconds = time.perf_counter() - t_run
-    if world > 1:
-        torch.distributed.all_reduce(run_totals)
-    throughput = {"train/mean_seq_tokens_per_s": run_totals[0].item() / train_seconds,
-                  "train/mean_blocks_per_s": run_totals[1].item() / train_seconds}
-    engine.module.eval()
-    final = {f"eval/{k}": v for k, v in _evaluate(engine.module, target, val_rows, tc, rank, world, device).items()}
+    tokens, blocks = reduce([run_tokens, run_blocks])
+    throughput = {"train/mean_seq_tokens_per_s": tokens / train_seconds,
+                  "train/mean_blocks_per_s": blocks / train_seconds}
+    final = evaluate()
     if rank == 0:
         info = {"stage": stage, "steps": plan.steps, "eval": final, "run_key": config["run_key"],
                 "train_seconds": train_seconds, **throughput}
@@ -350,6 +350,24 @@ def train_func(config: dict) -> None:
         mlflow.set_tag("drafter_path", str(folder))
         mlflow.end_run()
     ray.train.report({**final, "step": plan.steps})
+
+
+class Window:
+    """Losses, sequence tokens and blocks since the last log line -> the logged train/ metrics (summed over
+    workers: loss averaged, throughput over the window's wall time)."""
+
+    def __init__(self):
+        self.t0, self.losses, self.tokens, self.blocks = time.perf_counter(), [], 0, 0
+
+    def add(self, loss: float, tokens: int, blocks: int) -> None:
+        self.losses.append(loss)
+        self.tokens, self.blocks = self.tokens + tokens, self.blocks + blocks
+
+    def metrics(self, reduce, world: int, lr: float) -> dict:
+        loss, tokens, blocks = reduce([sum(self.losses) / len(self.losses), self.tokens, self.blocks])
+        dt = time.perf_counter() - self.t0
+        return {"train/loss": loss / world, "train/lr": lr, "train/seq_tokens_per_s": tokens / dt,
+                "train/blocks_per_s": blocks / dt}
 
 
 def preflight(cfg: PipelineConfig, stage: str) -> dict[str, list[Path]]:
@@ -384,7 +402,7 @@ def preflight(cfg: PipelineConfig, stage: str) -> dict[str, list[Path]]:
     return files
 
 
-def run_training(cfg: PipelineConfig, stage: str, fail_at_step: int | None = None, deadline: float | None = None):
+def run_training(cfg: PipelineConfig, stage: str, deadline: float | None = None):
     """Fit one stage with TorchTrainer; reuses a finished result and resumes an interrupted run. deadline: when
     the pipeline this stage runs in should end (epoch seconds; `deadline_budget`)."""
     import ray
@@ -418,9 +436,8 @@ def run_training(cfg: PipelineConfig, stage: str, fail_at_step: int | None = Non
     trainer = TorchTrainer(
         train_func,
         train_loop_config={"pipeline": asdict(cfg), "stage": stage, "run_key": key, "mlflow_uri": tracking_uri(),
-                           "mlflow_run_id": run.info.run_id, "fail_at_step": fail_at_step,
-                           "deadline": deadline if stage == "attention" else None, "launched": launched,
-                           "fail_marker": str(cfg.root / f"{stage}-{key}.failed-once")},
+                           "mlflow_run_id": run.info.run_id,
+                           "deadline": deadline if stage == "attention" else None, "launched": launched},
         scaling_config=ScalingConfig(num_workers=w.num_workers, use_gpu=w.use_gpu,
                                      resources_per_worker={"CPU": w.threads_per_worker}),
         # read before the workers start: once they hold every CPU of a small machine, read tasks would wait forever

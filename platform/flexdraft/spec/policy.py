@@ -178,3 +178,22 @@ class Plan:
     mode: str
     block: int = 0
     branches: int = 0  # 0 = as the config's top_m / rho decide
+
+
+def branch_anchors(conf: torch.Tensor, rho: float = 1.0, top_m: int = 0, cap: int = 0) -> torch.Tensor:
+    """Selective verification: draft confidences conf [n, Bv] (q_j(d_j)) -> per row the accepted lengths a (branch
+    anchors) most probable under P(accept >= a) = prod_{j<=a} c_j and P(accept = a) = P(>= a) (1 - c_{a+1}),
+    [n, m], most probable first. m: every length (Bv + 1), or as few as cover `rho` of the mass in every row, at
+    most top_m and cap (0 = no limit)."""
+    n, Bv = conf.shape
+    c = conf.double()
+    ge = torch.cat((torch.ones(n, 1, dtype=c.dtype, device=c.device), c.cumprod(-1)), dim=1)  # [n, Bv+1]
+    eq = ge * (1 - torch.cat((c, torch.zeros_like(c[:, :1])), dim=1))
+    m = Bv + 1
+    if rho < 1:
+        mass = eq.sort(-1, descending=True).values.cumsum(-1)
+        m = int((mass < rho * eq.sum(-1, keepdim=True)).sum(-1).max()) + 1
+    for limit in (top_m, cap):
+        if limit:
+            m = min(m, limit)
+    return eq.topk(min(m, Bv + 1), dim=-1).indices
