@@ -12,6 +12,16 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True)
+def threads(request):
+    """Real-model tests decode on every core (one generating process runs best so); the rest on one: tiny models'
+    GEMMs gain nothing from more, and Ray workers beside the test process take one each."""
+    n = len(os.sched_getaffinity(0)) if request.node.get_closest_marker("real_model") else 1
+    torch.set_num_threads(n)
+    yield n
+    torch.set_num_threads(1)
+
+
 def make_tiny_hf(arch: str, folder, seed: int = 0, **overrides):
     """A random-initialised `transformers` model of a tiny config, saved as a HF folder (config + safetensors)."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -43,7 +53,7 @@ def real_lm(real_folder):
     from flexdraft.config import RuntimeConfig
     from flexdraft.models.loading import load_model
 
-    return load_model(real_folder, RuntimeConfig(device="cpu", dtype="float32", threads=1))
+    return load_model(real_folder, RuntimeConfig(device="cpu", dtype="float32", threads=0))  # 0: see `threads`
 
 
 @pytest.fixture(scope="session")
@@ -60,9 +70,27 @@ def gsm8k_prompts(real_lm):
     return [chat_ids(real_lm.tokenizer, [{"role": "user", "content": q}]) for q in gsm8k_questions(8)]
 
 
+@pytest.fixture(scope="session")
+def mlflow_db(tmp_path_factory):
+    """new_db(folder) -> the URI of a fresh, empty MLflow SQLite store there: a copy of one store whose tables
+    were created once per session (MLflow's schema migrations take seconds each time)."""
+    import shutil
+
+    from mlflow.tracking import MlflowClient
+
+    template = tmp_path_factory.mktemp("mlflow-template") / "mlflow.db"
+    MlflowClient(f"sqlite:///{template}").search_experiments()  # creates the tables
+
+    def new_db(folder) -> str:
+        shutil.copyfile(template, folder / "mlflow.db")
+        return f"sqlite:///{folder / 'mlflow.db'}"
+
+    return new_db
+
+
 @pytest.fixture
-def mlflow_uri(tmp_path, monkeypatch):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+def mlflow_uri(tmp_path, monkeypatch, mlflow_db):
+    uri = mlflow_db(tmp_path)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     monkeypatch.chdir(tmp_path)  # artifacts of a user-given URI land relative to the cwd
     return uri

@@ -429,7 +429,7 @@ def test_bf16_divergences_happen_only_at_near_ties(real_folder, gsm8k_prompts):
     sequential, tree and parallel mode, every row either equals AR bf16 or first differs at a position where AR's
     own top-2 gap is below NEAR_TIE (on this CPU the oneDNN GEMMs are row-independent: sequential and parallel
     never diverge; a tree's keys sit in other cache slots, which can flip a near-tie)."""
-    model = load_model(real_folder, RuntimeConfig(device="cpu", dtype="bfloat16", threads=1)).model
+    model = load_model(real_folder, RuntimeConfig(device="cpu", dtype="bfloat16", threads=0)).model
     drafter, prior = default_or_init_drafter(model)
     prompts = gsm8k_prompts[:4]
     params = SamplingParams(max_new_tokens=40)

@@ -48,7 +48,7 @@ def tiny_pipeline(tmp_path_factory):
            "drafter": {"k": 2, "block_size": 4},
            "distill": {"num_prompts": 24, "validation_prompts": 4},
            "attention": {"steps": 6, "anchors_per_seq": 8, "checkpoint_every": 3, "log_every": 3, "eval_sequences": 4},
-           "calibration": {"steps": 1000, "time_budget_min": 0.25, "anchors_per_seq": 8, "checkpoint_every": 4,
+           "calibration": {"steps": 1000, "time_budget_min": 0.1, "anchors_per_seq": 8, "checkpoint_every": 4,
                            "log_every": 4, "eval_sequences": 4}}
     cfg = from_dict(PipelineConfig, raw)
     data = cfg.distill_dir()
@@ -96,14 +96,14 @@ def mlflow_history(uri: str, run_id: str, key: str, values: bool = False) -> lis
 
 
 @pytest.fixture(scope="module")
-def resumed_attention(ray_head, tiny_pipeline, tmp_path_factory):
+def resumed_attention(ray_head, tiny_pipeline, tmp_path_factory, mlflow_db):
     """Attention tuning of the tiny config (2 workers, ZeRO-2, 6 steps, checkpoints at 3 and 6) whose workers
     raise right after the step-3 checkpoint: Ray Train restarts them from it. -> (its result, its MLflow URI)."""
     from flexdraft.jobs import run_training
 
     cfg, _, _ = tiny_pipeline
     home = tmp_path_factory.mktemp("mlflow")
-    uri = f"sqlite:///{home / 'mlflow.db'}"
+    uri = mlflow_db(home)
     with pytest.MonkeyPatch.context() as mp:  # never the user's store; artifacts land relative to the cwd
         mp.setenv("MLFLOW_TRACKING_URI", uri)
         mp.chdir(home)
@@ -114,8 +114,8 @@ def resumed_attention(ray_head, tiny_pipeline, tmp_path_factory):
 
 def test_attention_then_calibration_with_failures_resume_exactly(resumed_attention, tiny_pipeline, monkeypatch,
                                                                   tmp_path):
-    """Attention tuning killed right after its step-3 checkpoint resumes from it and logs each step once, with before/after
-    agreement; calibration (a 15 s budget: its step count is fixed at step 10), killed right after its step-12
+    """Attention tuning killed right after its step-3 checkpoint resumes from it and logs each step once, with
+    before/after agreement; calibration (a 6 s budget: its step count is fixed at step 10), killed right after its step-12
     checkpoint, restarts from it with the count it fixed (never fixed again), ends there with the learning rate at
     its floor (10% of lr), having logged every 4th step once (nothing repeated, nothing lost)."""
     from flexdraft.jobs import run_stage, run_training
@@ -146,7 +146,7 @@ def test_attention_then_calibration_with_failures_resume_exactly(resumed_attenti
 
 
 def test_ray_job_submit_trains_exactly_the_drafter_of_the_resumed_run(ray_head, tiny_pipeline, resumed_attention,
-                                                                      tmp_path):
+                                                                      tmp_path, mlflow_db):
     """`ray job submit --working-dir . -- python jobs/attn_tuning.py --config ...` against `ray start --head`, of the
     tiny config, uninterrupted, ends with the very drafter (every tensor bitwise) of the run killed after step 3 and
     resumed from its step-3 checkpoint: a resume repeats and loses nothing, and a fresh drafter is seeded."""
@@ -160,7 +160,7 @@ def test_ray_job_submit_trains_exactly_the_drafter_of_the_resumed_run(ray_head, 
     dst.parent.mkdir(parents=True)
     dst.symlink_to(src.distill_dir())  # the tiny data, shared
     (tmp_path / "job.yaml").write_text(json.dumps(cfg))
-    env = {**ENV, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+    env = {**ENV, "MLFLOW_TRACKING_URI": mlflow_db(tmp_path)}
     proc = subprocess.run([RAY, "job", "submit", "--address", ray_head, "--working-dir", str(REPO),
                            "--runtime-env-json", json.dumps({"env_vars": {k: env[k] for k in (
                                "MLFLOW_TRACKING_URI", "TOKENIZERS_PARALLELISM")}}),
@@ -180,7 +180,7 @@ def test_ray_job_submit_trains_exactly_the_drafter_of_the_resumed_run(ray_head, 
 
 
 def test_budgeted_attention_in_a_pipeline_trains_until_the_rest_is_left(ray_head, tiny_pipeline, tmp_path,
-                                                                         monkeypatch):
+                                                                         monkeypatch, mlflow_db):
     """Inside a pipeline of 10 minutes, an attention stage whose own budget (0.03 s) fits no more than its 10 probe
     steps trains what the deadline leaves instead: all of its 40 steps. Every worker fixes the same count, and
     checks it against the budget together after every step from step 30 on (`StepPlan.hold`: the count stays, at
@@ -195,7 +195,7 @@ def test_budgeted_attention_in_a_pipeline_trains_until_the_rest_is_left(ray_head
                                                    "checkpoint_every": 20, "log_every": 20}})
     cfg.distill_dir().parent.mkdir(parents=True)
     cfg.distill_dir().symlink_to(from_dict(PipelineConfig, raw).distill_dir())
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = mlflow_db(tmp_path)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     monkeypatch.chdir(tmp_path)
     meta = run_training(cfg, "attention", deadline=time.time() + 600)
