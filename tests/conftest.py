@@ -1,5 +1,8 @@
 import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -99,3 +102,26 @@ def mlflow_uri(tmp_path, monkeypatch, mlflow_db):
 def write_jsonl(path, rows):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+REPO = Path(__file__).resolve().parents[1]
+RAY = str(Path(sys.executable).parent / "ray")
+# as a user with the venv activated: the cluster's `python` (which runs submitted jobs) is the venv's
+ENV = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false",
+       "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
+
+
+@pytest.fixture(scope="session")
+def ray_head():
+    """One Ray cluster for the session's Ray tests (jobs, Serve), started as a user would (`ray start --head`);
+    this process joins it. -> the dashboard address (`ray job submit`, `serve deploy`)."""
+    subprocess.run([RAY, "start", "--head", "--num-cpus=2", "--disable-usage-stats"], env=ENV, check=True,
+                   capture_output=True)
+    import ray
+
+    os.environ["RAY_ADDRESS"] = "auto"
+    ray.init(address="auto")
+    yield "http://127.0.0.1:8265"
+    ray.shutdown()
+    os.environ.pop("RAY_ADDRESS", None)
+    subprocess.run([RAY, "stop", "--force"], env=ENV, capture_output=True)

@@ -2,7 +2,6 @@
 distill on the real model, attention tuning and calibration on a tiny model with 2 Ray Train workers +
 DeepSpeed, exact resume after a worker failure, `ray job submit`, and bad input failing before any work."""
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,31 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import make_tiny_hf
+from conftest import ENV, RAY, REPO, make_tiny_hf
 from flexdraft.config import from_dict
 from flexdraft.errors import FlexDraftError
 from flexdraft.pipeline import PipelineConfig
-
-REPO = Path(__file__).resolve().parents[1]
-RAY = str(Path(sys.executable).parent / "ray")
-# as a user with the venv activated: the cluster's `python` (which runs submitted jobs) is the venv's
-ENV = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false",
-       "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
-
-
-@pytest.fixture(scope="module")
-def ray_head():
-    subprocess.run([RAY, "start", "--head", "--num-cpus=2", "--disable-usage-stats"], env=ENV, check=True,
-                   capture_output=True)
-    import ray
-
-    os.environ["RAY_ADDRESS"] = "auto"
-    ray.init(address="auto")
-    yield "http://127.0.0.1:8265"
-    ray.shutdown()
-    os.environ.pop("RAY_ADDRESS", None)
-    subprocess.run([RAY, "stop", "--force"], env=ENV, capture_output=True)
-
 
 @pytest.fixture(scope="module")
 def tiny_pipeline(tmp_path_factory):

@@ -9,7 +9,9 @@ from pathlib import Path
 from flexdraft import logs
 from flexdraft.errors import FlexDraftError
 
-FULL_BENCH_CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "bench" / "full.yaml")
+REPO = Path(__file__).resolve().parents[2]
+FULL_BENCH_CONFIG = str(REPO / "configs" / "bench" / "full.yaml")
+SERVE_CONFIG = REPO / "serve" / "config.yaml"
 
 
 def _runtime(args):
@@ -206,6 +208,51 @@ def cmd_env(args) -> None:
     print(f"data dir  {report['data_dir']}")
 
 
+def cmd_serve(args) -> None:
+    """`serve run` of serve/config.yaml with the given overrides (checked before Ray starts); runs until Ctrl-C."""
+    import os
+    import shutil
+
+    import yaml
+
+    from flexdraft.config import data_dir, from_dict
+    from flexdraft.serving import ServeConfig
+
+    cfg = yaml.safe_load(Path(args.config).read_text())
+    app = cfg["applications"][0]
+    app.setdefault("runtime_env", {})["working_dir"] = f"local://{REPO}"  # this checkout, on this machine
+    user = app["deployments"][0].setdefault("user_config", {})
+    for key in ("model", "drafter", "store"):
+        if getattr(args, key) is not None:
+            user[key] = getattr(args, key)
+    if args.mode:
+        user.setdefault("engine", {})["mode"] = args.mode
+    from_dict(ServeConfig, user)
+    cfg.setdefault("http_options", {}).update(host=args.host, port=args.port)
+    path = data_dir() / "serve" / "config.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    serve_bin = shutil.which("serve", path=str(Path(sys.executable).parent)) or shutil.which("serve")
+    if serve_bin is None:
+        raise FlexDraftError("the `serve` command of Ray Serve is not installed (pip install 'ray[serve]')")
+    print(f"[serve] OpenAI-compatible API at http://{args.host}:{args.port}/v1 once the replica is up "
+          f"(config {path}); Ctrl-C stops it", file=sys.stderr, flush=True)
+    os.execv(serve_bin, [serve_bin, "run", str(path)])
+
+
+def cmd_loadtest(args) -> None:
+    import os
+    import time
+
+    from flexdraft.config import data_dir
+    from flexdraft.loadtest import run_loadtest
+
+    output = args.output or data_dir() / "loadtest" / f"{args.dataset}-{int(time.time())}.json"
+    run_loadtest(args.url, args.dataset, args.concurrency, args.requests, stream=args.stream,
+                 api_key=args.api_key or os.environ.get("FLEXDRAFT_API_KEY"), max_tokens=args.max_tokens,
+                 output=output, model=args.model)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flexdraft", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -261,6 +308,28 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--model", default="smollm2", help="the model whose attention kernel choice to show")
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=cmd_env)
+
+    s = sub.add_parser("serve", help="the OpenAI-compatible Ray Serve app (serve run serve/config.yaml)")
+    s.add_argument("--config", default=str(SERVE_CONFIG), help="Serve config file")
+    s.add_argument("--model", help="override user_config.model")
+    s.add_argument("--drafter", help="override user_config.drafter (a folder, 'init', '' = the default pipeline's)")
+    s.add_argument("--store", help="override user_config.store")
+    s.add_argument("--mode", help="override user_config.engine.mode")
+    s.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
+    s.add_argument("--port", type=int, default=8000)
+    s.set_defaults(func=cmd_serve)
+
+    lt = sub.add_parser("loadtest", help="concurrent OpenAI-API requests against a local endpoint: tok/s, latencies")
+    lt.add_argument("--url", default="http://127.0.0.1:8000", help="the endpoint (this machine only)")
+    lt.add_argument("--dataset", default="gsm8k", help="gsm8k, humaneval or mtbench (first turns, as chat)")
+    lt.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    lt.add_argument("--requests", type=int, default=32, help="requests per concurrency level")
+    lt.add_argument("--max-tokens", type=int, default=64)
+    lt.add_argument("--stream", action="store_true", help="stream (measures time to first token)")
+    lt.add_argument("--api-key", help="bearer key (default: $FLEXDRAFT_API_KEY)")
+    lt.add_argument("--model", help="the served model name to send (default: the server's)")
+    lt.add_argument("--output", help="results JSON (default: $FLEXDRAFT_HOME/loadtest/<dataset>-<time>.json)")
+    lt.set_defaults(func=cmd_loadtest)
 
     d = sub.add_parser("demo", help="the main job: distill, attention tuning, calibration, a quick benchmark")
     d.add_argument("--config", help="pipeline YAML (default: the embedded defaults = configs/smollm2.yaml)")

@@ -134,6 +134,7 @@ class _Request:
     tokens: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)  # accepted drafts per speculative step
     forwards: int = 0  # target forwards after the prefill (AR or verify steps)
+    modes: dict = field(default_factory=dict)  # those forwards by step mode
     finish_reason: str | None = None
     index: NgramIndex | None = None  # its prompt and tokens, for lookup drafts
 
@@ -265,8 +266,9 @@ class Engine:
         req = self.finished.pop(request_id)
         # tokens per target forward; the prefill's token is not counted (it costs the same in every mode)
         tau = (len(req.tokens) - 1) / req.forwards if req.forwards else 1.0
+        share = {mode: count / req.forwards for mode, count in req.modes.items()}
         return Generation(req.tokens, req.finish_reason, 0.0, len(req.prompt),
-                          {"accepted_lengths": req.accepted, "tau": tau, "forwards": req.forwards})
+                          {"accepted_lengths": req.accepted, "tau": tau, "forwards": req.forwards, "mode_share": share})
 
     @property
     def active(self) -> int:
@@ -586,9 +588,10 @@ class Engine:
             for kind in set(kinds) - {None}:
                 self.acceptance.record(kind, Bv, [a for a, k in zip(acc, kinds) if k == kind])
         drafts, bonus = drafts.tolist(), new_bonus.tolist()
-        out = {}
+        out, mode = {}, self.last_stats.mode
         for r in range(n):
             self.slots[r].forwards += 1
+            self.slots[r].modes[mode] = self.slots[r].modes.get(mode, 0) + 1
             if kinds is not None:
                 self.slots[r].accepted.append(acc[r])
             out[self.slots[r].id] = self._emit(r, drafts[r][: acc[r]] + [bonus[r]])

@@ -34,8 +34,10 @@ def resolve_drafter(spec: str | None, target, required: bool) -> DrafterChoice:
     """spec: a drafter folder, "init" (projectors copied from the target, calibration zero: lossless, slow),
     or None = the default pipeline's drafter if it exists, made ready for inference beside `target`.
     required: a speculative mode was asked for."""
-    if spec == "init":
-        return DrafterChoice(Drafter.from_target(target, DrafterConfig()).to_runtime(target), "init", None)
+    if spec == "init":  # the default shape, with fewer tuned layers on a model too shallow for it
+        cfg = DrafterConfig()
+        cfg.k = min(cfg.k, max(1, target.args.n_layers // 2))
+        return DrafterChoice(Drafter.from_target(target, cfg).to_runtime(target), "init", None)
     folder = Path(spec).expanduser() if spec else default_drafter_dir()
     if not spec and not (folder / "drafter.json").is_file():
         if required:

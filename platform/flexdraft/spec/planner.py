@@ -28,6 +28,10 @@ class Planner:
         self.costs = CostModel()
         self._plans: dict[tuple[int, int], tuple[Plan, float, int]] = {}  # (rows, fresh) -> plan, tokens/s, step
 
+    def forget_plans(self) -> None:
+        """Re-price every plan at its next use (after a knob changed)."""
+        self._plans.clear()
+
     def ready(self) -> bool:
         """Whether plans are priced (a cost model with every kind measured), not the rule alone."""
         return self.cost_model and all(self.costs.known(k) for k in CostModel.KINDS)
