@@ -21,8 +21,8 @@ from ray import serve
 from flexdraft import logs
 from flexdraft.config import from_dict
 from flexdraft.errors import FlexDraftError
-from flexdraft.openai_api import (APIError, TextStream, chunk, fit_to_engine, parse_request, response, speculation,
-                                  usage)
+from flexdraft.openai_api import (APIError, TextStream, chunk, finish_reason, fit_to_engine, parse_request, response,
+                                  speculation, usage)
 from flexdraft.serving import AsyncEngine, EngineFailed, MlflowReporter, ServeConfig, apply_live, build, spec_counts
 
 app = FastAPI(title="FlexDraft", description="Lossless speculative decoding, OpenAI-compatible")
@@ -151,8 +151,7 @@ class FlexDraftServer:
     # ------------------------------------------------------------------ one request
 
     async def _generate(self, request: Request, chat: bool):
-        t0 = time.perf_counter()
-        headers = {}  # (x-request-id: Serve's proxy honours the client's or makes one, and echoes it)
+        t0 = time.perf_counter()  # (x-request-id: Serve's proxy honours the client's or makes one, and echoes it)
         try:
             self._authorize(request)
             try:
@@ -164,10 +163,10 @@ class FlexDraftServer:
                                 self.cfg.default_max_tokens)
             fit_to_engine(req, engine)
         except APIError as e:
-            return JSONResponse(e.body(), status_code=e.status, headers=headers)
+            return JSONResponse(e.body(), status_code=e.status)
         stream = self.engine.generate(req.prompt_ids, req.params)
         if req.stream:
-            return StreamingResponse(self._events(req, stream, t0), media_type="text/event-stream", headers=headers)
+            return StreamingResponse(self._events(req, stream, t0), media_type="text/event-stream")
         text, ids, t_first, last = TextStream(self.lm.tokenizer, req.stop), [], None, None
         out = []
         try:
@@ -179,13 +178,13 @@ class FlexDraftServer:
                 if text.stopped:
                     break
         except FlexDraftError as e:
-            return JSONResponse(APIError(400, str(e), "prompt").body(), status_code=400, headers=headers)
+            return JSONResponse(APIError(400, str(e), "prompt").body(), status_code=400)
         except EngineFailed as e:
-            return JSONResponse(APIError(500, str(e), kind="server_error").body(), status_code=500, headers=headers)
+            return JSONResponse(APIError(500, str(e), kind="server_error").body(), status_code=500)
         finally:
             await stream.aclose()
         self.metrics.request_done(t0, t_first, len(ids))
-        return JSONResponse(response(req, "".join(out), ids, last, text.stopped), headers=headers)
+        return JSONResponse(response(req, "".join(out), ids, last, text.stopped))
 
     async def _events(self, req, stream, t0: float):
         """Server-sent events: a chunk per engine step that made text, the last with its finish_reason, then usage
@@ -200,7 +199,7 @@ class FlexDraftServer:
                 last = c.finished
                 done = text.stopped or last is not None
                 if delta or done or first:
-                    finish = ("stop" if text.stopped or last.finish_reason == "eos" else "length") if done else None
+                    finish = finish_reason(last, text.stopped) if done else None
                     yield _sse(chunk(req, delta, c.tokens, finish, first=first))
                     first = False
                 if done:

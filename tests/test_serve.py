@@ -139,8 +139,8 @@ def test_sixteen_concurrent_requests_succeed_in_shared_batches(app):
     ({"prompt": "hi", "n": 3}, AUTH, 400, "n"),
     ({"prompt": "hi"}, {"Authorization": "Bearer wrong"}, 401, None),
     ({"prompt": "hi"}, {}, 401, None),
-], ids=["malformed-json", "wrong-type", "unknown-model", "prompt-too-long", "too-many-tokens", "max-tokens-0", "unsupported-n",
-        "bad-key", "no-key"])
+], ids=["malformed-json", "wrong-type", "unknown-model", "prompt-too-long", "too-many-tokens", "max-tokens-0",
+        "unsupported-n", "bad-key", "no-key"])
 def test_bad_requests_get_openai_errors_and_the_replica_keeps_serving(app, body, headers, status, param):
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     r = httpx.post(f"{URL}/v1/completions", content=content, timeout=30,

@@ -394,7 +394,8 @@ class Engine:
         """Rows 0..n-1 get their (single) lookup chain, filled up to Bv with the row's bonus (a store chain can
         end early; a row without a match gets filler only), verified like any draft; sampled rows' q is the point
         mass on each draft (accepted with probability p(d_j))."""
-        chains = [((c[0] if c else []) + [b] * Bv)[:Bv] for (c, _), b in zip(self._proposals, self.state.bonus[:n].tolist())]
+        bonus = self.state.bonus[:n].tolist()
+        chains = [((c[0] if c else []) + [b] * Bv)[:Bv] for (c, _), b in zip(self._proposals, bonus)]
         drafts = torch.tensor(chains, dtype=torch.long, device=self.state.drafts.device)  # [n, Bv]
         self.state.drafts[:n, :Bv] = drafts
         self.state.conf[:n, :Bv] = 1.0
