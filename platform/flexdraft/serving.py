@@ -107,7 +107,6 @@ class Chunk:
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
-    added: float = field(default_factory=time.perf_counter)
 
 
 class AsyncEngine:
@@ -122,7 +121,6 @@ class AsyncEngine:
         self._streams: dict[int, _Stream] = {}
         self._stopped = False
         self.aborted = 0  # requests aborted because their caller went away
-        self.steps = 0
         self.most_rows = 0  # the largest batch a step has decoded
         # running totals since start (the MLflow reporter logs their rates): tokens, rows, drafts, ..., steps_<mode>
         self.totals: dict[str, float] = {}
@@ -159,7 +157,7 @@ class AsyncEngine:
     def load(self) -> dict:
         """Rows decoding and requests waiting (read without locking: a snapshot for metrics and health)."""
         return {"running": self.engine.active, "waiting": len(self.engine.waiting), "streams": len(self._streams),
-                "steps": self.steps, "most_rows": self.most_rows, "aborted": self.aborted}
+                "steps": self.totals.get("steps", 0), "most_rows": self.most_rows, "aborted": self.aborted}
 
     def call(self, fn: Callable[[Engine], object]) -> object:
         """Run fn(engine) on the engine thread between steps and return its result (e.g. a policy change)."""
@@ -201,7 +199,6 @@ class AsyncEngine:
         self._fail_all(EngineFailed("the engine is shut down"))
 
     def _count(self, stats: StepStats, out: dict[int, list[int]]) -> None:
-        self.steps += 1
         self.most_rows = max(self.most_rows, stats.rows)
         counts = spec_counts(stats)
         for key, value in (("steps", 1), (f"steps_{stats.mode}", 1), ("rows", stats.rows),
