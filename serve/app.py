@@ -66,10 +66,11 @@ class Metrics:
         self.running.set(engine.active)
         self.waiting.set(len(engine.waiting))
         counts = spec_counts(stats)
-        if counts["drafts"]:
+        if counts["drafts"]:  # (a Ray counter refuses inc(0): a step whose drafts were all rejected accepts 0)
             self.drafts.inc(counts["drafts"])
             self.draft_tokens.inc(counts["draft_tokens"])
-            self.accepted.inc(counts["accepted"])
+            if counts["accepted"]:
+                self.accepted.inc(counts["accepted"])
             for pos, n in enumerate(counts["per_position"]):
                 self.per_pos.inc(n, tags={"position": str(pos)})
 
@@ -112,12 +113,17 @@ class FlexDraftServer:
         self.name = cfg.served_model_name or lm.name
         self.engine = AsyncEngine(engine, on_step=self.metrics.on_step)
         log.info(f"serving {self.name} {note}")
+        self.reporter = None
         if cfg.mlflow_every_s:
             ctx = serve.get_replica_context()
-            self.reporter = MlflowReporter(
-                self.engine, {**dataclasses.asdict(cfg), "note": note}, f"serve-{self.name}-{ctx.replica_tag}",
-                {"app": ctx.app_name, "deployment": ctx.deployment, "replica": ctx.replica_tag,
-                 "version": str(ctx.code_version), "drafter": cfg.drafter or "default"}, every_s=cfg.mlflow_every_s)
+            try:
+                self.reporter = MlflowReporter(
+                    self.engine, {**dataclasses.asdict(cfg), "note": note}, f"serve-{self.name}-{ctx.replica_tag}",
+                    {"app": ctx.app_name, "deployment": ctx.deployment, "replica": ctx.replica_tag,
+                     "version": str(ctx.code_version), "drafter": cfg.drafter or "default"},
+                    every_s=cfg.mlflow_every_s)
+            except Exception:  # noqa: BLE001 - an unreachable tracking store must not stop serving
+                log.exception("no MLflow serving run: the tracking store failed")
         if old_reporter is not None:
             old_reporter.stop()
         if old is not None:

@@ -23,6 +23,22 @@ def test_run_records_config_commit_and_hardware(mlflow_uri):
     assert "hw.cpu" in tags
 
 
+def test_processes_opening_a_new_store_at_once_all_get_it(tmp_path):
+    """Three processes (replicas starting together) create the same new SQLite store and the same experiment at
+    once: each gets the store and one shared experiment, none fails in MLflow's schema migration."""
+    import subprocess
+    import sys
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    code = ("from mlflow.tracking import MlflowClient; from flexdraft.tracking import experiment_id, ready_store; "
+            f"print(experiment_id(MlflowClient(ready_store({uri!r})), 'flexdraft-serve'))")
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(3)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], [err[-2000:] for _, err in outs]
+    assert len({out.strip() for out, _ in outs}) == 1
+
+
 @dataclass
 class Inner:
     lr: float = 1e-3

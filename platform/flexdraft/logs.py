@@ -24,7 +24,10 @@ class _Stderr(logging.StreamHandler):
 
 class _Format(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        return f"[{record.name.removeprefix('flexdraft.')}] {record.getMessage()}"
+        line = f"[{record.name.removeprefix('flexdraft.')}] {record.getMessage()}"
+        if record.exc_info:  # log.exception(...): the traceback under the line
+            line += "\n" + self.formatException(record.exc_info)
+        return line
 
 
 def setup(level: int = logging.INFO) -> None:

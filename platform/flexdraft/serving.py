@@ -272,12 +272,11 @@ class MlflowReporter:
                  experiment: str = "flexdraft-serve", every_s: float = 30.0):
         from mlflow.tracking import MlflowClient
 
-        from flexdraft.tracking import flatten, tracking_uri
+        from flexdraft.tracking import experiment_id, flatten, ready_store
 
         self.engine, self.every_s = engine, every_s
-        self.client = MlflowClient(tracking_uri())
-        exp = self.client.get_experiment_by_name(experiment)
-        exp_id = exp.experiment_id if exp else self.client.create_experiment(experiment)
+        self.client = MlflowClient(ready_store())
+        exp_id = experiment_id(self.client, experiment)
         self.run_id = self.client.create_run(exp_id, run_name=run_name, tags=tags or {}).info.run_id
         for key, value in list(flatten(params).items())[:100]:
             self.client.log_param(self.run_id, key, str(value)[:500])

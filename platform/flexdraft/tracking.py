@@ -6,6 +6,7 @@ the hardware it ran on.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import platform
 import subprocess
@@ -19,6 +20,37 @@ from flexdraft.hardware import probe
 
 def tracking_uri() -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{data_dir() / 'mlflow.db'}"
+
+
+def ready_store(uri: str | None = None) -> str:
+    """-> the tracking URI (default: `tracking_uri()`) with its store created. A SQLite store's tables are created
+    or migrated under a file lock: processes that open a new store at once (Serve replicas starting together)
+    would otherwise run the same schema migration twice and fail."""
+    uri = uri or tracking_uri()
+    if uri.startswith("sqlite:///"):
+        from mlflow.tracking import MlflowClient
+
+        path = Path(uri.removeprefix("sqlite:///"))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(f"{path}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            MlflowClient(uri).search_experiments(max_results=1)
+    return uri
+
+
+def experiment_id(client, name: str) -> str:
+    """The id of experiment `name`, created when missing (by whichever process gets there first); artifacts beside
+    the default store, a tracking server's own artifact store otherwise."""
+    from mlflow.exceptions import MlflowException
+
+    exp = client.get_experiment_by_name(name)
+    if exp is not None:
+        return exp.experiment_id
+    artifacts = None if os.environ.get("MLFLOW_TRACKING_URI") else (data_dir() / "mlartifacts").as_uri()
+    try:
+        return client.create_experiment(name, artifact_location=artifacts)
+    except MlflowException:  # created meanwhile by another process
+        return client.get_experiment_by_name(name).experiment_id
 
 
 def git_commit() -> str:
@@ -71,12 +103,8 @@ def start_run(experiment: str, config: dict, run_name: str | None = None, run_id
     run_id: reopen that run (a resumed job) instead of starting a new one."""
     import mlflow
 
-    mlflow.set_tracking_uri(tracking_uri())
-    if mlflow.get_experiment_by_name(experiment) is None:
-        # artifacts beside the store, not in whatever the current directory happens to be
-        artifacts = None if os.environ.get("MLFLOW_TRACKING_URI") else (data_dir() / "mlartifacts").as_uri()
-        mlflow.create_experiment(experiment, artifact_location=artifacts)
-    mlflow.set_experiment(experiment)
+    mlflow.set_tracking_uri(ready_store())
+    mlflow.set_experiment(experiment_id=experiment_id(mlflow.MlflowClient(), experiment))
     if run_id is not None:
         with mlflow.start_run(run_id=run_id) as run:
             yield run
