@@ -250,7 +250,7 @@ def cmd_loadtest(args) -> None:
     output = args.output or data_dir() / "loadtest" / f"{args.dataset}-{int(time.time())}.json"
     run_loadtest(args.url, args.dataset, args.concurrency, args.requests, stream=args.stream,
                  api_key=args.api_key or os.environ.get("FLEXDRAFT_API_KEY"), max_tokens=args.max_tokens,
-                 output=output, model=args.model)
+                 output=output, model=args.model, baseline=args.baseline)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -328,6 +328,8 @@ def build_parser() -> argparse.ArgumentParser:
     lt.add_argument("--stream", action="store_true", help="stream (measures time to first token)")
     lt.add_argument("--api-key", help="bearer key (default: $FLEXDRAFT_API_KEY)")
     lt.add_argument("--model", help="the served model name to send (default: the server's)")
+    lt.add_argument("--baseline", metavar="URL", help="a second endpoint measured beside --url at every level (e.g. "
+                    "the same app with mode ar): tok/s ratio per level")
     lt.add_argument("--output", help="results JSON (default: $FLEXDRAFT_HOME/loadtest/<dataset>-<time>.json)")
     lt.set_defaults(func=cmd_loadtest)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import statistics
 import time
 import urllib.parse
@@ -30,11 +31,14 @@ class Outcome:
     error: str = ""
 
 
-def prompts_of(dataset: str) -> list[str]:
+def prompts_of(dataset: str, seed: int = 0) -> list[str]:
+    """The dataset's first turns (each request stands alone) in the benchmark harness's seeded order: with the
+    same seed, the first n requests of a single-turn set are the prompts `flexdraft bench` decodes."""
     name = {"mtbench": "mt-bench"}.get(dataset, dataset)
     if name not in BENCH_DATASETS:
         raise FlexDraftError(f"unknown dataset {dataset!r}: use one of {', '.join(BENCH_DATASETS)}")
-    return [turns[0] for turns in BENCH_DATASETS[name].items()]  # first turns: each request stands alone
+    items = BENCH_DATASETS[name].items()
+    return [items[i][0] for i in random.Random(seed).sample(range(len(items)), len(items))]
 
 
 async def _one(client, url: str, payload: dict, headers: dict) -> Outcome:
@@ -116,53 +120,76 @@ def summarize(outcomes: list[Outcome], wall: float) -> dict:
 
 
 def table(results: dict[int, dict]) -> str:
+    """A row per concurrency level; with a baseline, its row under each and the tok/s ratio."""
     ms = lambda x: "-" if x is None else f"{1000 * x:.0f}"
-    lines = ["| concurrency | tok/s | TTFT p50/p99 ms | TPOT p50/p99 ms | e2e p50/p99 ms | errors | accepted len |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| concurrency | endpoint | tok/s | speed-up | TTFT p50/p99 ms | TPOT p50/p99 ms | e2e p50/p99 ms | "
+             "errors | accepted len |", "|---|---|---|---|---|---|---|---|---|"]
     for c, r in results.items():
-        acc = "-" if r["mean_accepted_length"] is None else f"{r['mean_accepted_length']:.2f}"
-        lines.append(f"| {c} | {r['tokens_per_s']:.1f} | {ms(r['ttft_p50'])}/{ms(r['ttft_p99'])} | "
-                     f"{ms(r['tpot_p50'])}/{ms(r['tpot_p99'])} | {ms(r['e2e_p50'])}/{ms(r['e2e_p99'])} | "
-                     f"{r['errors']}/{r['requests']} | {acc} |")
+        rows = [("target", r, f"{r['speedup']:.2f}x" if "speedup" in r else "-")]
+        if "baseline" in r:
+            rows.append(("baseline", r["baseline"], "1.00x"))
+        for name, x, ratio in rows:
+            acc = "-" if x["mean_accepted_length"] is None else f"{x['mean_accepted_length']:.2f}"
+            lines.append(f"| {c} | {name} | {x['tokens_per_s']:.1f} | {ratio} | "
+                         f"{ms(x['ttft_p50'])}/{ms(x['ttft_p99'])} | {ms(x['tpot_p50'])}/{ms(x['tpot_p99'])} | "
+                         f"{ms(x['e2e_p50'])}/{ms(x['e2e_p99'])} | "
+                         f"{x['errors']}/{x['requests']} | {acc} |")
     return "\n".join(lines)
+
+
+def _check_url(url: str) -> str:
+    """-> the endpoint's base (without /v1); refuses anything but this machine."""
+    parsed = urllib.parse.urlparse(url)
+    if parsed.scheme not in ("http", "https") or parsed.hostname not in LOOPBACK:
+        raise FlexDraftError(f"loadtest sends to this machine only (127.0.0.1 / localhost), got {url!r}")
+    return url.rstrip("/").removesuffix("/v1")
 
 
 def run_loadtest(url: str, dataset: str, concurrency: list[int], requests: int, stream: bool = True,
                  api_key: str | None = None, max_tokens: int = 64, timeout: float = 300.0,
-                 output: str | Path | None = None, model: str | None = None) -> dict[int, dict]:
-    """Each concurrency level in turn, `requests` requests each (the same prompts in the same order)."""
-    parsed = urllib.parse.urlparse(url)
-    if parsed.scheme not in ("http", "https") or parsed.hostname not in LOOPBACK:
-        raise FlexDraftError(f"loadtest sends to this machine only (127.0.0.1 / localhost), got {url!r}")
+                 output: str | Path | None = None, model: str | None = None,
+                 baseline: str | None = None) -> dict[int, dict]:
+    """Each concurrency level in turn, `requests` requests each (the same prompts in the same order). baseline: a
+    second endpoint (e.g. the same deployment with `mode: ar`) measured right after the target at every level,
+    so the two share the machine's state; each level's result then holds it and `speedup` (tok/s ratio)."""
+    base = _check_url(url)
+    other = _check_url(baseline) if baseline else None
     if requests < 1 or not concurrency or min(concurrency) < 1 or max_tokens < 1:
         raise FlexDraftError("requests, every concurrency and max_tokens must be >= 1")
-    base = url.rstrip("/").removesuffix("/v1")
     prompts = prompts_of(dataset)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     results = {}
     for c in concurrency:
         outcomes, wall = asyncio.run(_level(base, prompts, c, requests, stream, max_tokens, headers, timeout, model))
-        results[c] = summarize(outcomes, wall)
-        log.info(f"concurrency {c}: {results[c]['tokens_per_s']:.1f} tok/s, {results[c]['errors']} errors")
+        results[c] = r = summarize(outcomes, wall)
+        line = f"concurrency {c}: {r['tokens_per_s']:.1f} tok/s, {r['errors']} errors"
+        if other:
+            outcomes, wall = asyncio.run(_level(other, prompts, c, requests, stream, max_tokens, headers, timeout,
+                                                model))
+            r["baseline"] = b = summarize(outcomes, wall)
+            r["speedup"] = r["tokens_per_s"] / b["tokens_per_s"] if b["tokens_per_s"] else 0.0
+            line += f"; baseline {b['tokens_per_s']:.1f} tok/s, {b['errors']} errors: {r['speedup']:.2f}x"
+        log.info(line)
     print(table(results))
     if output:
         path = Path(output)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"url": url, "dataset": dataset, "stream": stream, "max_tokens": max_tokens,
-                                    "results": results}, indent=1))
+        path.write_text(json.dumps({"url": url, "baseline": baseline, "dataset": dataset, "stream": stream,
+                                    "max_tokens": max_tokens, "results": results}, indent=1))
         log.info(f"results in {path}")
-    _track(url, dataset, stream, max_tokens, requests, results)
+    _track({"url": url, "baseline": baseline or "", "dataset": dataset, "stream": stream, "max_tokens": max_tokens,
+            "requests_per_level": requests}, results)
     return results
 
 
-def _track(url: str, dataset: str, stream: bool, max_tokens: int, requests: int, results: dict) -> None:
+def _track(params: dict, results: dict) -> None:
+    """An MLflow run in `flexdraft-loadtest`: each level's numbers at step = concurrency (baseline/ prefixed)."""
     import mlflow
 
     from flexdraft.tracking import start_run
 
-    with start_run("flexdraft-loadtest", {"url": url, "dataset": dataset, "stream": stream, "max_tokens": max_tokens,
-                                          "requests_per_level": requests}, run_name=f"loadtest-{dataset}"):
+    numbers = lambda r, prefix="": {prefix + k: v for k, v in r.items() if isinstance(v, (int, float))}
+    with start_run("flexdraft-loadtest", params, run_name=f"loadtest-{params['dataset']}"):
         for c, r in results.items():
-            mlflow.log_metrics({k: v for k, v in r.items() if isinstance(v, (int, float)) and v is not None},
-                               step=c)
+            mlflow.log_metrics({**numbers(r), **numbers(r.get("baseline", {}), "baseline/")}, step=c)
 
