@@ -52,6 +52,19 @@ def real_folder():
 
 
 @pytest.fixture(scope="session")
+def tiny_smollm2(real_folder, tmp_path_factory):
+    """A tiny random llama with SmolLM2's vocabulary, tokenizer and chat template, as a HF folder: the real model's
+    text paths (chat prompts, decoding, stop strings) at a tiny model's speed."""
+    import shutil
+
+    folder = tmp_path_factory.mktemp("tiny-smollm2") / "tiny"
+    make_tiny_hf("llama", folder, vocab_size=49152, max_position_embeddings=512)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(real_folder / name, folder / name)
+    return folder
+
+
+@pytest.fixture(scope="session")
 def real_lm(real_folder):
     from flexdraft.config import RuntimeConfig
     from flexdraft.models.loading import load_model
@@ -111,12 +124,15 @@ ENV = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"
        "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
 
 
+METRICS_PORT = 8089  # the head node's Prometheus endpoint (Ray's metrics export)
+
+
 @pytest.fixture(scope="session")
 def ray_head():
     """One Ray cluster for the session's Ray tests (jobs, Serve), started as a user would (`ray start --head`);
     this process joins it. -> the dashboard address (`ray job submit`, `serve deploy`)."""
-    subprocess.run([RAY, "start", "--head", "--num-cpus=2", "--disable-usage-stats"], env=ENV, check=True,
-                   capture_output=True)
+    subprocess.run([RAY, "start", "--head", "--num-cpus=2", "--disable-usage-stats",
+                    f"--metrics-export-port={METRICS_PORT}"], env=ENV, check=True, capture_output=True)
     import ray
 
     os.environ["RAY_ADDRESS"] = "auto"

@@ -60,13 +60,12 @@ def test_bad_harness_config_names_the_problem(tmp_path, capsys, overrides, needl
     assert needle in capsys.readouterr().err
 
 
-@pytest.mark.real_model
-def test_harness_run_is_lossless_and_complete(tmp_path, mlflow_uri, real_folder):
-    """fp32, untrained drafter, MT-Bench (two-turn prompts; MATH listed too) x batch 1, 2 x every method: every
-    FlexDraft row equals our AR token for token; every cell has a row (prompt lookup and the all-branch parallel
-    rows skipped above batch 1, with their reasons); the report names the unavailable set; plots and results are
-    logged to MLflow."""
-    cfg = HarnessConfig(model=str(real_folder), drafter="init", dtype="float32", threads=0,
+def test_harness_run_is_lossless_and_complete(tmp_path, mlflow_uri, tiny_smollm2):
+    """A tiny model with SmolLM2's tokenizer, fp32, untrained drafter, MT-Bench (two-turn prompts; MATH listed
+    too) x batch 1, 2 x every method: every FlexDraft row equals our AR token for token; every cell has a row
+    (prompt lookup and the all-branch parallel rows skipped above batch 1, with their reasons); the report names
+    the unavailable set; plots and results are logged to MLflow."""
+    cfg = HarnessConfig(model=str(tiny_smollm2), drafter="init", dtype="float32", threads=1,
                         datasets=["mt-bench", "math"], samples=2, batch_sizes=[1, 2], max_new_tokens=8,
                         answer_tokens=8, all_branches_max_batch=1, profile=True, output_dir=str(tmp_path / "out"))
     results = run_harness(cfg)
@@ -103,11 +102,10 @@ def test_harness_run_is_lossless_and_complete(tmp_path, mlflow_uri, real_folder)
     assert {"results.md", "results.json", "speedup_vs_batch.png", "config.json"} <= names
 
 
-@pytest.mark.real_model
-def test_sampled_harness_run_reports_speed_without_comparing_rows(tmp_path, mlflow_uri, real_folder):
+def test_sampled_harness_run_reports_speed_without_comparing_rows(tmp_path, mlflow_uri, tiny_smollm2):
     """temperature > 0: the engine methods sample (speculative sampling), the transformers methods are skipped
     with the reason, rows are not compared with AR's (mismatched n/a), and the report says how it sampled."""
-    cfg = HarnessConfig(model=str(real_folder), drafter="init", dtype="float32", threads=0, datasets=["gsm8k"],
+    cfg = HarnessConfig(model=str(tiny_smollm2), drafter="init", dtype="float32", threads=1, datasets=["gsm8k"],
                         samples=2, batch_sizes=[2], max_new_tokens=8, temperature=0.8, top_p=0.95,
                         methods=["ar", "hf-generate", "lookup", "adaptive"], profile=False,
                         output_dir=str(tmp_path / "out"))

@@ -4,9 +4,10 @@ requests: through the `openai` client the outputs equal AR greedy (text and toke
 chat); 16 concurrent requests share batches; bad input gets OpenAI-style 4xx bodies and the replica keeps serving;
 a client that leaves mid-stream frees its row."""
 import json
-import shutil
+import re
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -15,7 +16,7 @@ import httpx
 import pytest
 import yaml
 
-from conftest import ENV, REPO, make_tiny_hf
+from conftest import ENV, METRICS_PORT, REPO
 from flexdraft.config import RuntimeConfig
 from flexdraft.data import chat_ids
 from flexdraft.generate import SamplingParams, generate
@@ -27,42 +28,75 @@ KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
-@pytest.fixture(scope="module")
-def app(ray_head, real_folder, tmp_path_factory):
-    """-> (the served tiny model, loaded here too for reference outputs)."""
-    root = tmp_path_factory.mktemp("serve")
-    folder = root / "tiny-smollm2-tokenizer"
-    make_tiny_hf("llama", folder, vocab_size=49152, max_position_embeddings=512)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(real_folder / name, folder / name)
+def application(name: str, route: str, home: Path, model: Path, **deployment) -> dict:
+    """serve/config.yaml's application, renamed and routed, on one of the test's models; `deployment` overrides."""
     cfg = yaml.safe_load((REPO / "serve" / "config.yaml").read_text())
-    application = cfg["applications"][0]
-    application["runtime_env"]["working_dir"] = f"local://{REPO}"  # as `flexdraft serve` does
-    application["runtime_env"]["env_vars"].update(FLEXDRAFT_HOME=str(root / "home"), FLEXDRAFT_API_KEY=KEY)
-    deployment = application["deployments"][0]
-    deployment["autoscaling_config"].update(min_replicas=1, max_replicas=1)
-    deployment["ray_actor_options"] = {"num_cpus": 0}  # beside the Ray Train tests' 2 CPUs
-    deployment["user_config"].update(model=str(folder), drafter="init", store="none", served_model_name="tiny",
-                                     runtime={"device": "cpu", "dtype": "float32", "threads": 1}, mlflow_every_s=1)
-    deployment["user_config"]["engine"].update(max_batch=8, max_len=256)
+    app = cfg["applications"][0]
+    app.update(name=name, route_prefix=route)
+    app["runtime_env"]["working_dir"] = f"local://{REPO}"  # as `flexdraft serve` does
+    app["runtime_env"]["env_vars"].update(FLEXDRAFT_HOME=str(home), FLEXDRAFT_API_KEY=KEY)
+    d = app["deployments"][0]
+    d["ray_actor_options"] = {"num_cpus": 0}  # beside the Ray Train tests' 2 CPUs
+    d["user_config"].update(model=str(model), drafter="init", store="none", served_model_name=model.name,
+                            runtime={"device": "cpu", "dtype": "float32", "threads": 1}, mlflow_every_s=1)
+    d["user_config"]["engine"].update(max_batch=8, max_len=256)
+    d["autoscaling_config"].update(deployment.pop("autoscaling_config", {}))
+    d.update(deployment)
+    return app
+
+
+def replicas(app_name: str) -> dict:
+    """Serve's replica states of the app's deployment, e.g. {"RUNNING": 2}."""
+    from ray import serve
+
+    status = serve.status().applications.get(app_name)
+    return dict(status.deployments["FlexDraftServer"].replica_states) if status else {}
+
+
+@pytest.fixture(scope="module")
+def apps(ray_head, real_folder, tiny_smollm2, tmp_path_factory):
+    """Three apps of serve/config.yaml in one `serve deploy`: `tiny` at / (one replica), `elastic` at /elastic (the
+    tiny model with 1-2 replicas, 2 requests each, 2 queued, fast autoscaling and health checks), `real` at /real (SmolLM2).
+    -> {"tiny": the tiny model, loaded here for reference outputs}."""
+    root, tiny = tmp_path_factory.mktemp("serve"), tiny_smollm2
+    home = root / "home"
+    cfg = yaml.safe_load((REPO / "serve" / "config.yaml").read_text())
+    cfg["applications"] = [
+        application("tiny", "/", home, tiny, autoscaling_config={"min_replicas": 1, "max_replicas": 1}),
+        application("elastic", "/elastic", home, tiny, max_ongoing_requests=2, max_queued_requests=2,
+                    autoscaling_config={"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1,
+                                        "upscale_delay_s": 1, "downscale_delay_s": 2, "metrics_interval_s": 0.5,
+                                        "look_back_period_s": 1},
+                    health_check_period_s=1, health_check_timeout_s=5),
+        application("real", "/real", home, real_folder, autoscaling_config={"min_replicas": 1, "max_replicas": 1}),
+    ]
+    cfg["applications"][1]["deployments"][0]["user_config"]["engine"].update(max_batch=2, max_len=512)
+    cfg["applications"][2]["deployments"][0]["user_config"]["engine"]["cost_model"] = False  # no profiling at start
     (root / "serve.yaml").write_text(yaml.safe_dump(cfg))
     subprocess.run([SERVE, "deploy", str(root / "serve.yaml"), "--address", ray_head], env=ENV, check=True,
                    capture_output=True, timeout=120)
-    deadline = time.time() + 240
+    deadline = time.time() + 300
     while True:
         try:
-            if httpx.get(f"{URL}/health", headers=AUTH, timeout=5).status_code == 200:
+            if all(httpx.get(f"{URL}{r}/health", headers=AUTH, timeout=5).status_code == 200
+                   for r in ("", "/elastic", "/real")):
                 break
         except httpx.HTTPError:
             pass
         status = subprocess.run([SERVE, "status", "--address", ray_head], env=ENV, capture_output=True, text=True)
         if "DEPLOY_FAILED" in status.stdout or time.time() > deadline:
-            pytest.fail(f"the app did not come up: {status.stdout[-3000:]}")
+            pytest.fail(f"the apps did not come up: {status.stdout[-3000:]}")
         time.sleep(2)
-    lm = load_model(folder, RuntimeConfig(device="cpu", dtype="float32", threads=1))
-    lm.home = root / "home"
-    yield lm
+    runtime = RuntimeConfig(device="cpu", dtype="float32", threads=1)
+    lm = load_model(tiny, runtime)
+    lm.home = home
+    yield {"tiny": lm}
     subprocess.run([SERVE, "shutdown", "-y", "--address", ray_head], env=ENV, capture_output=True, timeout=120)
+
+
+@pytest.fixture
+def app(apps):
+    return apps["tiny"]
 
 
 def greedy(lm, ids: list[int], n: int) -> list[int]:
@@ -123,7 +157,7 @@ def test_sixteen_concurrent_requests_succeed_in_shared_batches(app):
 
     client = MlflowClient(f"sqlite:///{app.home / 'mlflow.db'}")
     time.sleep(2)
-    run, = client.search_runs([client.get_experiment_by_name("flexdraft-serve").experiment_id])
+    run, = client.search_runs([client.get_experiment_by_name("flexdraft-serve").experiment_id], "tags.app = 'tiny'")
     assert run.data.params["engine.mode"] == "adaptive" and run.data.tags["deployment"] == "FlexDraftServer"
     history = client.get_metric_history(run.info.run_id, "serve/tokens_per_s")
     assert len(history) >= 2 and sum(m.value for m in history) > 0
@@ -165,20 +199,178 @@ def test_a_client_that_disconnects_mid_stream_frees_its_row(app):
     assert state["aborted"] == before + 1 and state["running"] == 0
 
 
-def test_loadtest_reports_every_level_against_the_app(app, mlflow_uri, tmp_path):
-    """`flexdraft loadtest` through HTTP: 6 streamed requests at concurrency 1 and 3, all answered, with
-    latencies, throughput and the server's accepted length, in a JSON file and an MLflow run."""
+def test_spec_decode_metrics_reach_prometheus(app):
+    """Ray's metrics export serves the replicas' Serve metrics on the node's Prometheus endpoint, under the names
+    vLLM users chart (with Ray's `ray_` prefix): the counters have counted the requests so far."""
+    httpx.post(f"{URL}/v1/completions", headers=AUTH, timeout=60, json={"prompt": "Hello", "max_tokens": 16})
+    names = ["ray_flexdraft_spec_decode_num_drafts_total", "ray_flexdraft_spec_decode_num_draft_tokens_total",
+             "ray_flexdraft_spec_decode_num_accepted_tokens_per_pos_total", "ray_flexdraft_steps_total",
+             "ray_flexdraft_generation_tokens_total", "ray_flexdraft_time_to_first_token_seconds_bucket",
+             "ray_flexdraft_e2e_request_latency_seconds_count", "ray_flexdraft_batch_size"]
+    deadline = time.time() + 60
+    while True:
+        text = httpx.get(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=10).text
+        lines = [line for line in text.splitlines() if line.startswith("ray_flexdraft_")]
+        if all(any(line.startswith(n) for line in lines) for n in names) or time.time() > deadline:
+            break
+        time.sleep(2)
+    for line in lines:  # the scrape, with only the tags that tell its series apart
+        if 'application="tiny"' in line and "_bucket" not in line:
+            print(line.split("{")[0], ",".join(re.findall(r'(?:mode|position)="\w+"', line)), line.rsplit(" ", 1)[1])
+    for name in names:
+        assert any(line.startswith(name) for line in lines), name
+    drafts = [float(line.rsplit(" ", 1)[1]) for line in lines
+              if line.startswith("ray_flexdraft_spec_decode_num_drafts_total") and 'application="tiny"' in line]
+    assert sum(drafts) > 0
+
+
+def test_loadtest_reports_every_level_against_the_app_and_a_baseline(app, mlflow_uri, tmp_path):
+    """`flexdraft loadtest` through HTTP: 6 streamed requests at concurrency 1 and 2 to `tiny`, each level right
+    after to a baseline endpoint (`elastic`, which holds 2), all answered, with latencies, throughput, the server's accepted
+    length and the tok/s ratio, in a JSON file and an MLflow run."""
     import mlflow
 
     from flexdraft.loadtest import run_loadtest
 
-    results = run_loadtest(URL, "gsm8k", [1, 3], 6, stream=True, api_key=KEY, max_tokens=8,
-                           output=tmp_path / "lt.json")
+    results = run_loadtest(URL, "gsm8k", [1, 2], 6, stream=True, api_key=KEY, max_tokens=8,
+                           output=tmp_path / "lt.json", baseline=f"{URL}/elastic")
     for r in results.values():
-        assert r["errors"] == 0 and r["output_tokens"] > 0 and r["tokens_per_s"] > 0
-        assert 0 < r["ttft_p50"] <= r["e2e_p50"] and r["mean_accepted_length"] >= 1
-    assert json.loads((tmp_path / "lt.json").read_text())["results"].keys() == {"1", "3"}
+        for x in (r, r["baseline"]):
+            assert x["errors"] == 0 and x["output_tokens"] > 0 and x["tokens_per_s"] > 0
+            assert 0 < x["ttft_p50"] <= x["e2e_p50"] and x["mean_accepted_length"] >= 1
+        assert r["speedup"] == pytest.approx(r["tokens_per_s"] / r["baseline"]["tokens_per_s"])
+    assert json.loads((tmp_path / "lt.json").read_text())["results"].keys() == {"1", "2"}
     run, = mlflow.search_runs(experiment_names=["flexdraft-loadtest"], output_format="list")
-    assert [m.step for m in mlflow.MlflowClient().get_metric_history(run.info.run_id, "tokens_per_s")] == [1, 3]
+    for key in ("tokens_per_s", "baseline/tokens_per_s", "speedup"):
+        assert [m.step for m in mlflow.MlflowClient().get_metric_history(run.info.run_id, key)] == [1, 2]
     with pytest.raises(Exception, match="this machine only"):
         run_loadtest("http://10.0.0.1:8000", "gsm8k", [1], 1)
+
+
+def _complete(route: str, max_tokens: int, timeout: float = 120) -> tuple[float, int | str]:
+    """One non-streamed request -> (seconds it took, HTTP status or the client's exception name)."""
+    t0 = time.perf_counter()
+    try:
+        status = httpx.post(f"{URL}{route}/v1/completions", headers=AUTH, timeout=timeout,
+                            json={"prompt": "Once upon a time", "max_tokens": max_tokens}).status_code
+    except httpx.HTTPError as e:
+        status = type(e).__name__
+    return time.perf_counter() - t0, status
+
+
+def _load(route: str, clients: int, max_tokens: int, log: list):
+    """Start `clients` threads sending requests back to back until the returned event is set; each result is
+    appended to `log` as (finish time, seconds, status)."""
+    stop = threading.Event()
+
+    def client():
+        while not stop.is_set():
+            seconds, status = _complete(route, max_tokens)
+            log.append((time.time(), seconds, status))
+            if status == 503:
+                time.sleep(0.2)
+
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    return stop, threads
+
+
+def _wait_replicas(app_name: str, running: int, timeout: float, timeline: list) -> None:
+    """Until the app has exactly `running` replicas, all running; each change is appended to `timeline` as
+    (time, replica states)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        states = replicas(app_name)
+        if not timeline or timeline[-1][1] != states:
+            timeline.append((time.time(), states))
+        if states == {"RUNNING": running}:
+            return
+        time.sleep(0.5)
+    pytest.fail(f"{app_name} did not reach {running} running replicas in {timeout} s: {timeline}")
+
+
+def test_past_max_queued_requests_clients_get_503_at_once(apps):
+    """`elastic` holds 2 requests per replica and queues 2 at the router: of 16 concurrent long requests the
+    surplus is refused with 503 at once, the rest finish with 200, none hangs. (Serve counts a request as queued
+    only once the proxy routes it, so a few more than 2 x 2 + 2 may get through.)"""
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(lambda _: _complete("/elastic", 100, timeout=60), range(16)))
+    print("overload (seconds, status):", sorted(results, key=lambda r: r[1]))
+    refused = [s for s, status in results if status == 503]
+    assert {status for _, status in results} == {200, 503}
+    assert len(refused) >= 16 // 2 and max(refused) < 2.0
+
+
+def test_sustained_load_brings_a_second_replica_up_and_idle_takes_it_down(apps):
+    """target_ongoing_requests 1, upscale_delay_s 1, downscale_delay_s 2: 4 clients in a loop -> 2 replicas;
+    no load -> 1 again."""
+    timeline, log = [], []
+    _wait_replicas("elastic", 1, 60, timeline)
+    started = time.time()
+    stop, threads = _load("/elastic", 4, 40, log)
+    try:
+        _wait_replicas("elastic", 2, 60, timeline)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    stopped = time.time()
+    _wait_replicas("elastic", 1, 60, timeline)
+    print(f"elastic replicas over time (s, states), load from {started - timeline[0][0]:.1f} to "
+          f"{stopped - timeline[0][0]:.1f} s:", [(round(t - timeline[0][0], 1), s) for t, s in timeline])
+    assert any(status == 200 for _, _, status in log)
+
+
+def test_a_killed_replica_is_replaced_and_later_requests_succeed(apps):
+    """`ray.kill` of the only replica while it decodes 2 requests: Serve starts a new one; the requests it held end
+    (an error status or a retry on the new replica, no client waits for its timeout), and requests sent after the
+    replacement all succeed."""
+    import ray
+
+    def replica_names() -> set[str]:
+        return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                if a["name"].startswith("SERVE_REPLICA::elastic#")}
+
+    timeline, log = [], []
+    _wait_replicas("elastic", 1, 60, timeline)
+    before = replica_names()
+    stop, threads = _load("/elastic", 2, 300, log)  # ~2.5 s each
+    try:
+        time.sleep(0.7)
+        killed_at = time.time()
+        for name in before:
+            ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+        deadline = time.time() + 120
+        while time.time() < deadline and not any(t - s > killed_at and status == 200 for t, s, status in log):
+            time.sleep(0.2)
+        time.sleep(2)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    seen = [(t - s - killed_at, t - killed_at, status) for t, s, status in log]
+    print("replica killed; clients saw (sent, done, status) in seconds from the kill:",
+          [(round(sent, 1), round(done, 1), status) for sent, done, status in seen])
+    assert replica_names() - before, "no new replica"
+    assert all(status in (200, 500, 502, 503) for _, _, status in seen)  # answered, none timed out
+    in_flight = [status for sent, done, status in seen if sent < 0 < done]
+    after = [status for sent, done, status in seen if sent > 0]
+    assert len(in_flight) == 2 and after and after[-1] == 200
+
+
+@pytest.mark.real_model
+def test_real_smollm2_through_http_equals_its_greedy_output(apps, real_lm, gsm8k_prompts):
+    """SmolLM2 served adaptive (drafter `init`): through the `openai` client, streamed or not, the output is the
+    model's own greedy output."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{URL}/real/v1", api_key=KEY)
+    model = client.models.list().data[0].id
+    ids = gsm8k_prompts[0]
+    ref = greedy(real_lm, ids, 24)
+    out = client.completions.create(model=model, prompt=ids, max_tokens=24, temperature=0,
+                                    extra_body={"return_token_ids": True})
+    assert out.choices[0].token_ids == ref
+    streamed = client.completions.create(model=model, prompt=ids, max_tokens=24, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == out.choices[0].text
