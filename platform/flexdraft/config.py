@@ -29,8 +29,9 @@ class RuntimeConfig:
     device: str = "auto"  # auto = cuda when available, else cpu
     # auto = bfloat16 where the device has native bf16 (CUDA; AVX512-BF16 / AMX CPUs), else float32 (hardware.probe)
     dtype: str = "auto"
-    # torch intra-op threads on CPU; 0 = one per core available to this process. One process on the 2-core
-    # dev machine: 2 threads beat 1 by 10-35% (bench-ar); processes sharing the cores (Ray workers) set 1.
+    # torch intra-op threads on CPU; 0 = $OMP_NUM_THREADS when set (Ray sets it to a task's or actor's num_cpus),
+    # else one per core available to this process. One process alone: one per core is fastest; processes that
+    # share the cores (Ray workers, a Serve replica beside its proxy and clients) take their share.
     threads: int = 0
     # oneDNN-prepacked linear weights on CPU (inference; 1.5-2x faster GEMMs), where oneDNN can pack the dtype
     cpu_prepack: bool = True
@@ -61,11 +62,16 @@ class RuntimeConfig:
 
     def apply(self) -> None:
         if self.threads < 0:
-            raise FlexDraftError(f"threads must be >= 0 (0 = one per core), got {self.threads}")
+            raise FlexDraftError(f"threads must be >= 0 (0 = $OMP_NUM_THREADS, else one per core), got {self.threads}")
         if self.cpu_attention not in ("auto", "sdpa", "math"):
             raise FlexDraftError(f"cpu_attention must be auto, sdpa or math, got {self.cpu_attention!r}")
         if self.torch_device().type == "cpu":
-            torch.set_num_threads(self.threads or len(os.sched_getaffinity(0)))
+            torch.set_num_threads(self.threads or self.default_threads())
+
+    @staticmethod
+    def default_threads() -> int:
+        omp = os.environ.get("OMP_NUM_THREADS", "")
+        return int(omp) if omp.isdigit() and int(omp) > 0 else len(os.sched_getaffinity(0))
 
 
 def _check_type(value, hint) -> bool:

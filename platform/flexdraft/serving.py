@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
+import torch
+
 from flexdraft import logs
 from flexdraft.config import RuntimeConfig, from_dict
 from flexdraft.engine import Engine, EngineConfig, StepStats
@@ -124,6 +126,7 @@ class AsyncEngine:
         self.most_rows = 0  # the largest batch a step has decoded
         # running totals since start (the MLflow reporter logs their rates): tokens, rows, drafts, ..., steps_<mode>
         self.totals: dict[str, float] = {}
+        self._torch_threads = torch.get_num_threads()  # what the model was loaded for (RuntimeConfig.threads)
         self._thread = threading.Thread(target=self._run, name="flexdraft-engine", daemon=True)
         self._thread.start()
 
@@ -177,6 +180,9 @@ class AsyncEngine:
     # ------------------------------------------------------------------ the engine thread
 
     def _run(self) -> None:
+        # OpenMP's thread count is per OS thread: a new thread starts from OMP_NUM_THREADS (Ray sets it to the
+        # actor's num_cpus), not from the torch.set_num_threads of the thread that loaded the model
+        torch.set_num_threads(self._torch_threads)
         while not self._stopped:
             self._drain()
             if not self.engine.has_work():
