@@ -74,8 +74,9 @@ async def _one(client, url: str, payload: dict, headers: dict) -> Outcome:
         return Outcome(0, time.perf_counter() - t0, error=f"{type(e).__name__}: {e}")
 
 
-async def _level(base: str, prompts: list[str], concurrency: int, requests: int, stream: bool, max_tokens: int,
-                 headers: dict, timeout: float, model: str | None) -> tuple[list[Outcome], float]:
+async def _level(base: str, prompts: list[str], concurrency: int, first: int, requests: int, stream: bool,
+                 max_tokens: int, headers: dict, timeout: float, model: str | None) -> tuple[list[Outcome], float]:
+    """Requests first .. first + requests - 1 (prompts in turn), at most `concurrency` in flight."""
     import httpx
 
     gate = asyncio.Semaphore(concurrency)
@@ -93,7 +94,7 @@ async def _level(base: str, prompts: list[str], concurrency: int, requests: int,
 
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
         t0 = time.perf_counter()
-        outcomes = await asyncio.gather(*(send(client, i) for i in range(requests)))
+        outcomes = await asyncio.gather(*(send(client, i) for i in range(first, first + requests)))
         return list(outcomes), time.perf_counter() - t0
 
 
@@ -145,31 +146,46 @@ def _check_url(url: str) -> str:
     return url.rstrip("/").removesuffix("/v1")
 
 
+def rounds(requests: int, concurrency: int) -> list[tuple[int, int]]:
+    """A level's requests as (first, count) rounds for a side-by-side run: up to 4, each at least twice the
+    concurrency, so the two endpoints alternate often enough that a machine whose speed drifts (other tenants, CPU
+    steal) slows both alike."""
+    n = max(1, min(4, requests // (2 * concurrency)))
+    bounds = [round(i * requests / n) for i in range(n + 1)]
+    return [(a, b - a) for a, b in zip(bounds, bounds[1:])]
+
+
 def run_loadtest(url: str, dataset: str, concurrency: list[int], requests: int, stream: bool = True,
                  api_key: str | None = None, max_tokens: int = 64, timeout: float = 300.0,
                  output: str | Path | None = None, model: str | None = None,
                  baseline: str | None = None) -> dict[int, dict]:
     """Each concurrency level in turn, `requests` requests each (the same prompts in the same order). baseline: a
-    second endpoint (e.g. the same deployment with `mode: ar`) measured right after the target at every level,
-    so the two share the machine's state; each level's result then holds it and `speedup` (tok/s ratio)."""
+    second endpoint (e.g. the same deployment with `mode: ar`) sent the same requests at every level, the two
+    taking turns in rounds (`rounds`); each level's result then holds it and `speedup` (tok/s ratio)."""
     base = _check_url(url)
     other = _check_url(baseline) if baseline else None
     if requests < 1 or not concurrency or min(concurrency) < 1 or max_tokens < 1:
         raise FlexDraftError("requests, every concurrency and max_tokens must be >= 1")
     prompts = prompts_of(dataset)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    run = lambda endpoint, c, first, n: asyncio.run(_level(endpoint, prompts, c, first, n, stream, max_tokens,
+                                                           headers, timeout, model))
     results = {}
     for c in concurrency:
-        outcomes, wall = asyncio.run(_level(base, prompts, c, requests, stream, max_tokens, headers, timeout, model))
-        results[c] = r = summarize(outcomes, wall)
-        line = f"concurrency {c}: {r['tokens_per_s']:.1f} tok/s, {r['errors']} errors"
-        if other:
-            outcomes, wall = asyncio.run(_level(other, prompts, c, requests, stream, max_tokens, headers, timeout,
-                                                model))
-            r["baseline"] = b = summarize(outcomes, wall)
-            r["speedup"] = r["tokens_per_s"] / b["tokens_per_s"] if b["tokens_per_s"] else 0.0
-            line += f"; baseline {b['tokens_per_s']:.1f} tok/s, {b['errors']} errors: {r['speedup']:.2f}x"
-        log.info(line)
+        if not other:
+            results[c] = r = summarize(*run(base, c, 0, requests))
+            log.info(f"concurrency {c}: {r['tokens_per_s']:.1f} tok/s, {r['errors']} errors")
+            continue
+        got = {base: ([], 0.0), other: ([], 0.0)}
+        for k, (first, n) in enumerate(rounds(requests, c)):
+            for endpoint in ((base, other) if k % 2 == 0 else (other, base)):  # ABBA: neither always first
+                outcomes, wall = run(endpoint, c, first, n)
+                got[endpoint] = (got[endpoint][0] + outcomes, got[endpoint][1] + wall)
+        results[c] = r = summarize(*got[base])
+        r["baseline"] = b = summarize(*got[other])
+        r["speedup"] = r["tokens_per_s"] / b["tokens_per_s"] if b["tokens_per_s"] else 0.0
+        log.info(f"concurrency {c}: {r['tokens_per_s']:.1f} tok/s, {r['errors']} errors; baseline "
+                 f"{b['tokens_per_s']:.1f} tok/s, {b['errors']} errors: {r['speedup']:.2f}x")
     print(table(results))
     if output:
         path = Path(output)
