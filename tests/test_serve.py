@@ -245,6 +245,8 @@ def test_loadtest_reports_every_level_against_the_app_and_a_baseline(app, mlflow
         assert [m.step for m in mlflow.MlflowClient().get_metric_history(run.info.run_id, key)] == [1, 2]
     with pytest.raises(Exception, match="this machine only"):
         run_loadtest("http://10.0.0.1:8000", "gsm8k", [1], 1)
+    with pytest.raises(Exception, match="the baseline is the endpoint under test"):
+        run_loadtest(URL, "gsm8k", [1], 1, baseline=f"{URL}/v1")
 
 
 def _complete(route: str, max_tokens: int, timeout: float = 120) -> tuple[float, int | str]:

@@ -164,6 +164,8 @@ def run_loadtest(url: str, dataset: str, concurrency: list[int], requests: int, 
     taking turns in rounds (`rounds`); each level's result then holds it and `speedup` (tok/s ratio)."""
     base = _check_url(url)
     other = _check_url(baseline) if baseline else None
+    if other == base:
+        raise FlexDraftError(f"the baseline is the endpoint under test ({url}): give another, e.g. the app in mode ar")
     if requests < 1 or not concurrency or min(concurrency) < 1 or max_tokens < 1:
         raise FlexDraftError("requests, every concurrency and max_tokens must be >= 1")
     prompts = prompts_of(dataset)
