@@ -148,7 +148,7 @@ class RandomPlanEngine(Engine):
     def _choose(self, n):
         Bv = self.rng.randint(1, self.B)
         plans = [Plan("ar"), Plan("sequential", Bv), Plan("tree", Bv), Plan("parallel", Bv, self.rng.randint(1, 3))]
-        if self._propose(n):
+        if self._propose(n, self.lookup):
             plans.append(Plan("lookup", Bv))
         return self.rng.choice(plans)
 
@@ -643,8 +643,8 @@ def test_a_draining_batch_takes_lookup_steps_only_where_every_lagging_row_has_a_
     proposals = [([[5, 6, 7, 8]], "lookup3"), ([], None)]  # row 0 has a match, row 1 none
 
     def plan():
-        e._propose = lambda n, first=None: setattr(e, "_proposals", list(proposals)) or True
-        return e._lookup_plan(2, 2 / 0.01)  # (AR's rate)
+        e._propose = lambda n, max_n, first=None: setattr(e, "_proposals", list(proposals)) or True
+        return e._lookup_plan(2, e.band(2), 2 / 0.01)  # (AR's rate)
 
     assert e.waiting and plan() is not None
     e.abort(ids[2])

@@ -67,9 +67,11 @@ def cmd_generate(args) -> None:
         top_p=args.top_p if args.top_p is not None else 1.0,
         seed=args.seed,
     )
+    if args.policy and args.mode:
+        raise FlexDraftError("--policy sets the mode per live batch size: drop --mode")
     cfg = _engine_config(args)
     lm, engine, note = load_engine(args.model, _runtime(args), args.drafter, cfg, mode_given=args.mode is not None,
-                                   store_spec=args.store)
+                                   store_spec=args.store, policy_spec=args.policy)
     tok = lm.tokenizer
     if args.prompt is not None:
         prompts = [chat_ids(tok, [{"role": "user", "content": args.prompt}]) if args.chat
@@ -268,6 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int)
     g.add_argument("--seed", type=int)
     g.add_argument("--drafter", help="drafter folder, or 'init' (untrained); default: the default pipeline's")
+    g.add_argument("--policy", help="a policy file from `flexdraft sweep` (mode, B', pruning per live batch size, "
+                                    "and S; it overrides those flags); refused for another model or drafter")
     g.add_argument("--store", help="n-gram store for lookup steps: a store file, a distill folder, or 'none' "
                                    "(default: the default pipeline's distilled data, when it exists)")
     _add_engine_flags(g)

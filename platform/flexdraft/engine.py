@@ -38,6 +38,7 @@ from flexdraft.generate import (Generation, SamplingParams, argmax_tokens, draw,
                                 prefill, sample, top_logprobs)
 from flexdraft.lookup import NgramIndex, NgramStore
 from flexdraft.models.transformer import Transformer
+from flexdraft.policy_file import Band, Policy
 from flexdraft.spec.planner import LOOKUP_MARGIN, Planner, measure, profile_shapes
 from flexdraft.spec.policy import Plan, branch_anchors
 from flexdraft.spec.trees import chain_trie, draft_tree, tree_ancestors, tree_sample, tree_tokens, tree_walk
@@ -175,9 +176,15 @@ class Engine:
     thin loop over them. Requests beyond `max_batch` wait and are admitted as rows finish."""
 
     def __init__(self, target: Transformer, drafter: Drafter | None, config: EngineConfig, eos_token_ids=(),
-                 acceptance_prior: dict | None = None, store: NgramStore | None = None):
+                 acceptance_prior: dict | None = None, store: NgramStore | None = None, policy: Policy | None = None):
+        """policy: the step settings per live batch size (`policy_file`); it sets the config's mode (adaptive), S,
+        cost model and the largest block, tree and n-gram size its bands use. The caller checks it was measured
+        for this target and drafter (`runner.check_policy`)."""
+        if policy is not None:
+            for key, value in policy.engine_settings().items():
+                setattr(config, key, value)
         config.check(drafter, target.args.max_position_embeddings)
-        self.target, self.drafter, self.config = target, drafter, config
+        self.target, self.drafter, self.config, self.policy = target, drafter, config, policy
         if drafter is not None and drafter.paired is None:
             raise FlexDraftError("the drafter is not ready for inference: call drafter.to_runtime(target) first "
                                  "(runner.resolve_drafter does)")
@@ -186,7 +193,7 @@ class Engine:
         else:
             self.B = (config.block_size or 8) if config.mode == "lookup" else 0
         # n-gram size of prompt-lookup drafts (0: none); adaptive weighs them by cost only
-        weighed = config.mode == "lookup" or (config.mode == "adaptive" and config.cost_model)
+        weighed = config.mode == "lookup" or (config.mode == "adaptive" and (config.cost_model or policy is not None))
         self.lookup = config.lookup if weighed else 0
         self.store = store if self.lookup else None  # a corpus's drafts beside the request's own (lookup steps)
         self._proposals: list[tuple[list[list[int]], str | None]] = []  # this step's lookup chains per row, kind
@@ -324,34 +331,50 @@ class Engine:
             self.costs.record(kind, rows, tokens, dt)
         return result
 
+    def band(self, n: int) -> Band:
+        """The step settings for n live rows: the policy's band, else the config's (read every step: a Serve
+        replica changes top_m / rho live)."""
+        if self.policy is not None:
+            return self.policy.band(n)
+        c = self.config
+        return Band(None, c.mode, self.B, c.top_m, c.rho, c.tree_nodes if self.trees else 0, self.lookup)
+
+    def tree_sizes(self) -> list[int]:
+        """The token-tree sizes steps may verify (the cost profile measures each)."""
+        if not self.trees:
+            return []
+        return sorted({b.tree_nodes for b in self.policy.bands} - {0}) if self.policy else [self.config.tree_nodes]
+
     def _choose(self, n: int) -> Plan:
-        """The plan of a step with n rows. Forced modes use the config (lookup: AR when no row has a match).
-        Adaptive: the planner's (`Planner.adaptive`), unless this step's lookup drafts promise more."""
-        cfg = self.config
-        if cfg.mode == "lookup":
-            return Plan("lookup", self.B) if self._propose(n) else Plan("ar")
-        if cfg.mode != "adaptive":
-            return Plan(cfg.mode, 0 if cfg.mode == "ar" else self.B)
+        """The plan of a step with n rows, by their band: a fixed mode (lookup: AR when no row has a match), or
+        adaptive: the planner's (`Planner.adaptive`), unless this step's lookup drafts promise more."""
+        band = self.band(n)
+        Bv = band.block or self.B
+        if band.mode == "lookup":
+            return Plan("lookup", Bv) if self._propose(n, band.lookup) else Plan("ar")
+        if band.mode != "adaptive":
+            return Plan(band.mode, 0 if band.mode == "ar" else Bv)
         fresh = int((self.state.ndrafts[:n] == 0).sum())
-        plan, rate = self.planner.adaptive(n, fresh, self.totals["steps"])
-        if self.lookup and rate is not None:  # against an AR step, a margin (see LOOKUP_MARGIN)
-            return self._lookup_plan(n, rate * (LOOKUP_MARGIN if plan.mode == "ar" else 1.0)) or plan
+        plan, rate = self.planner.adaptive(n, fresh, self.totals["steps"], band)
+        if band.lookup and rate is not None:  # against an AR step, a margin (see LOOKUP_MARGIN)
+            return self._lookup_plan(n, band, rate * (LOOKUP_MARGIN if plan.mode == "ar" else 1.0)) or plan
         return plan
 
-    def _propose(self, n: int, first: list[int] | None = None) -> bool:
-        """This step's lookup chains of rows 0..n-1 (`_proposals`: per row its chains, the prompt's first, and the
-        acceptance kind they count towards, None without any); True when some row has one. With `first`, rows
-        that all need one: False as soon as one has none, the others not proposed (16 rows: ~1 ms a step)."""
+    def _propose(self, n: int, max_n: int, first: list[int] | None = None) -> bool:
+        """This step's lookup chains of rows 0..n-1 from n-grams of up to max_n tokens (`_proposals`: per row its
+        chains, the prompt's first, and the acceptance kind they count towards, None without any); True when some
+        row has one. With `first`, rows that all need one: False as soon as one has none, the others not proposed
+        (16 rows: ~1 ms a step)."""
         proposals: list = [None] * n
         for row in first or ():
-            proposals[row] = self._proposal(self.slots[row])
+            proposals[row] = self._proposal(self.slots[row], max_n)
             if proposals[row][1] is None:
                 return False
-        self._proposals = [p or self._proposal(req) for p, req in zip(proposals, self.slots[:n])]
+        self._proposals = [p or self._proposal(req, max_n) for p, req in zip(proposals, self.slots[:n])]
         return any(kind for _, kind in self._proposals)
 
-    def _proposal(self, req: _Request) -> tuple[list[list[int]], str | None]:
-        chain, size = req.index.propose(self.B)
+    def _proposal(self, req: _Request, max_n: int) -> tuple[list[list[int]], str | None]:
+        chain, size = req.index.propose(self.B, max_n)
         chains, kind = ([chain], f"lookup{size}") if size else ([], None)
         if self.store is not None:
             extra, size = self.store.propose(req.index.tokens, self.B)
@@ -371,19 +394,19 @@ class Engine:
         left = [req.params.max_new_tokens - len(req.tokens) for req in self.slots[:n]]
         return [row for row, x in enumerate(left) if x >= max(left) - self.B]
 
-    def _lookup_plan(self, n: int, rate_to_beat: float) -> Plan | None:
+    def _lookup_plan(self, n: int, band: Band, rate_to_beat: float) -> Plan | None:
         """A lookup step if one promises more than rate_to_beat tokens per second (`Planner.lookup`); it needs a
         match in every critical row (`_critical_rows`). With a store it also weighs the prompt's chains alone: a
         trie of two chains verifies up to twice the tokens, which at 4-16 rows costs more than the store's chains
         add (and `_proposals` becomes what won)."""
         critical = self._critical_rows(n)
-        if not self._propose(n, first=critical):  # (a critical row without a match: n tokens, as AR, dearer)
+        if not self._propose(n, band.lookup, first=critical):  # (a critical row without a match: n tokens, as AR, dearer)
             return None
         options = [self._proposals]
         if self.store is not None:
             options.append([(cs[:1], kind) if kind and kind.startswith("lookup") else ([], None)
                             for cs, kind in self._proposals])
-        best = self.planner.lookup(options, critical, rate_to_beat)
+        best = self.planner.lookup(options, critical, rate_to_beat, band.block or self.B)
         if best is None:
             return None
         plan, chosen = best
@@ -419,8 +442,7 @@ class Engine:
         self.cache.lens.fill_(min(context, self.config.max_len - max((B + 1) * (B + 2), self.config.tree_nodes + 1)))
         self.state.bonus.fill_(0)
         self.state.drafts.fill_(0)
-        shapes = profile_shapes(self.config.max_batch, B, self.config.switch_batch,
-                                self.config.tree_nodes if self.trees else 0)
+        shapes = profile_shapes(self.config.max_batch, B, self.config.switch_batch, self.tree_sizes())
         points = measure(shapes, timer or self._time_forward, rounds)
         self.costs.set_profile(points)
         self.cache.lens.zero_()
@@ -489,12 +511,12 @@ class Engine:
     def _set_drafts(self, rows: torch.Tensor, logits: torch.Tensor, from_branch: bool = False) -> None:
         """Draft logits [r, Bv, V] of rows -> drafts (argmax, or drawn from q for sampled rows) + confidences."""
         Bv = logits.shape[1]
-        cfg = self.config
+        band = self.band(len(self.slots))
         if self.trees:  # a tree step may come next: keep each slot's top candidates (the first is the draft)
             logp, cand = top_logprobs(logits, self.state.cand.shape[-1])  # [r, Bv, K]
             self.state.cand[rows, :Bv], self.state.cand_logp[rows, :Bv] = cand, logp
             conf, drafts = logp[..., 0].exp(), cand[..., 0]
-        elif cfg.mode == "parallel" or (cfg.mode == "adaptive" and len(self.slots) <= cfg.switch_batch):
+        elif band.mode == "parallel" or (band.mode == "adaptive" and len(self.slots) <= self.config.switch_batch):
             logp, drafts = top_logprobs(logits, 1)  # pruning weighs the confidences
             conf, drafts = logp[..., 0].exp(), drafts[..., 0]  # [r, Bv]
         else:  # no parallel step can come next at this batch size: skip the softmax over the vocabulary
@@ -540,7 +562,7 @@ class Engine:
         cache rollback by length -> {id: emitted tokens}."""
         mode, Bv = plan.mode, plan.block
         if mode == "tree":
-            depth, parent, rank = draft_tree(self.state.cand_logp[:n, :Bv], self.config.tree_nodes)  # [n, N]
+            depth, parent, rank = draft_tree(self.state.cand_logp[:n, :Bv], self.band(n).tree_nodes)  # [n, N]
             nodes = tree_tokens(self.state.cand[:n, :Bv], depth, rank)
             return self._verify_tree(n, Bv, depth, parent, nodes, ["tree"] * n)
         if mode == "lookup" and any(len(chains) > 1 for chains, _ in self._proposals):  # verified as a token trie
@@ -663,7 +685,8 @@ class Engine:
 
     def _branches(self, n: int, Bv: int, cap: int) -> torch.Tensor:
         """Selective verification: rows 0..n-1's branch anchors [n, m], most probable first (`branch_anchors`)."""
-        anchors = branch_anchors(self.state.conf[:n, :Bv], self.config.rho, self.config.top_m, cap)
+        band = self.band(n)
+        anchors = branch_anchors(self.state.conf[:n, :Bv], band.rho, band.top_m, cap)
         self.last_stats.branches = float(anchors.shape[1])
         return anchors
 

@@ -29,7 +29,7 @@ from flexdraft.engine import Engine, EngineConfig
 from flexdraft.errors import FlexDraftError
 from flexdraft.generate import SamplingParams, generate
 from flexdraft.models.loading import load_model
-from flexdraft.runner import build_engine, resolve_drafter, resolve_store
+from flexdraft.runner import build_engine, resolve_drafter, resolve_policy, resolve_store
 
 
 log = logs.get("bench")
@@ -41,6 +41,7 @@ class Method:
     engine: tuple = ()  # EngineConfig overrides, (key, value) pairs
     about: str = ""
     store: bool = True  # lookup steps also draft from the n-gram store (when there is one)
+    policy: str = ""  # a policy file (`policy_file`): its bands decide each step
 
 
 METHODS = {
@@ -67,7 +68,11 @@ METHODS = {
     "adaptive": Method("engine", (("mode", "adaptive"),),
                        "the product: AR / sequential / tree / parallel / lookup (prompt + store) per step by cost"),
 }
-SPECULATIVE = [m for m, spec in METHODS.items() if spec.kind == "engine" and spec.engine != (("mode", "ar"),)]
+
+
+def speculative(method: str) -> bool:
+    """Whether a method's steps speculate (every engine method but our AR; policy methods too)."""
+    return method not in METHODS or (METHODS[method].kind == "engine" and METHODS[method].engine != (("mode", "ar"),))
 
 
 @dataclass
@@ -95,6 +100,9 @@ class HarnessConfig:
     # engine's); each method's own settings win (its mode, parallel-pruned's top_m)
     engine: dict = field(default_factory=dict)
     prompt_lookup_tokens: int = 10
+    # policy files from `flexdraft sweep`, each an engine method of its own: {method name: file}; a name not in
+    # `methods` is added to them (e.g. {tuned: ~/.flexdraft/sweeps/<name>/policy.yaml} beside `adaptive`)
+    policies: dict = field(default_factory=dict)
     # the all-branch parallel rows (ablation) run up to this batch size (0 = all): (B+1)^2 branch tokens per row
     # make them ~10x slower than AR at batch 16 on this CPU, minutes per cell that tell nothing new
     all_branches_max_batch: int = 4
@@ -115,14 +123,25 @@ class HarnessConfig:
         self.params()  # temperature and top_p checked as the engine will take them
         if self.all_branches_max_batch < 0:
             raise FlexDraftError(f"all_branches_max_batch must be >= 0 (0 = no limit), got {self.all_branches_max_batch}")
-        unknown = [m for m in self.methods if m not in METHODS]
+        clash = sorted(set(self.policies) & set(METHODS))
+        if clash:
+            raise FlexDraftError(f"policies: {clash[0]} is a built-in method's name: name the policy otherwise")
+        self.methods += [name for name in self.policies if name not in self.methods]
+        unknown = [m for m in self.methods if m not in METHODS and m not in self.policies]
         if unknown:
-            raise FlexDraftError(f"unknown method(s) {', '.join(unknown)}: choose from {', '.join(METHODS)}")
+            raise FlexDraftError(f"unknown method(s) {', '.join(unknown)}: choose from {', '.join(METHODS)} or name "
+                                 "a policy file under `policies`")
         if "ar" not in self.methods:
             self.methods = ["ar", *self.methods]  # speed-ups and correctness are measured against it
         check_datasets(self.datasets)
         if not any(d in BENCH_DATASETS for d in self.datasets):
             raise FlexDraftError(f"no available dataset among {self.datasets}: use some of {', '.join(BENCH_DATASETS)}")
+
+    def method(self, name: str) -> Method:
+        if name in self.policies:
+            return Method("engine", (("mode", "adaptive"),), f"the policy file {self.policies[name]}",
+                          policy=str(self.policies[name]))
+        return METHODS[name]
 
     def params(self, max_new_tokens: int | None = None) -> SamplingParams:
         return SamplingParams(max_new_tokens=max_new_tokens or self.max_new_tokens, temperature=self.temperature,
@@ -136,7 +155,7 @@ def load_harness_config(path: str | Path) -> HarnessConfig:
 # ------------------------------------------------------------------------------------------- one cell
 
 def skip_reason(method: str, batch: int, cfg: HarnessConfig) -> str | None:
-    if METHODS[method].kind != "engine" and cfg.temperature > 0:
+    if cfg.method(method).kind != "engine" and cfg.temperature > 0:
         return "the transformers methods run greedy only here"
     if method == "hf-prompt-lookup" and batch > 1:
         return "transformers prompt lookup runs at batch 1 only"  # "assisted generate is only supported for batch_size = 1"
@@ -146,14 +165,16 @@ def skip_reason(method: str, batch: int, cfg: HarnessConfig) -> str | None:
 
 
 def _engine(lm, choice, store, cfg: HarnessConfig, method: str, batch: int, max_len: int) -> Engine:
-    overrides = {k: (cfg.top_m if k == "top_m" else v) for k, v in METHODS[method].engine}
+    spec = cfg.method(method)
+    overrides = {k: (cfg.top_m if k == "top_m" else v) for k, v in spec.engine}
     ec = from_dict(EngineConfig, {**cfg.engine, "max_batch": batch, "max_len": max_len, **overrides})
-    return build_engine(lm, choice, ec, store if METHODS[method].store else None)
+    policy = resolve_policy(spec.policy, lm.model, choice) if spec.policy else None
+    return build_engine(lm, choice, ec, store if spec.store else None, policy)
 
 
 def _engines(lm, choice, store, cfg: HarnessConfig, batch: int, max_len: int) -> dict[str, Engine]:
     return {name: _engine(lm, choice, store, cfg, name, batch, max_len) for name in cfg.methods
-            if METHODS[name].kind == "engine" and not skip_reason(name, batch, cfg)}
+            if cfg.method(name).kind == "engine" and not skip_reason(name, batch, cfg)}
 
 
 def lockstep(engines: dict[str, Engine], prompts: list[list[int]], params: SamplingParams) -> dict[str, dict]:
@@ -228,7 +249,8 @@ def run_cell(engines: dict[str, Engine], hf: HFRunner | None, prompts: list[list
              cfg: HarnessConfig) -> list[dict]:
     """Every method on the same prompts at one batch size -> one result row per method."""
     params = cfg.params()
-    hf_methods = {m: METHODS[m].kind for m in cfg.methods if METHODS[m].kind != "engine" and not skip_reason(m, batch, cfg)}
+    hf_methods = {m: cfg.method(m).kind for m in cfg.methods
+                  if cfg.method(m).kind != "engine" and not skip_reason(m, batch, cfg)}
 
     def hf_run(name, max_new):
         return hf.run(prompts, batch, max_new, cfg.prompt_lookup_tokens if hf_methods[name] == "hf-lookup" else 0)
@@ -257,7 +279,7 @@ def run_cell(engines: dict[str, Engine], hf: HFRunner | None, prompts: list[list
                # rows whose output differs from our AR's in any repeat (greedy only)
                "mismatched_rows": None if cfg.temperature > 0 else
                sum(any(r[name]["outputs"][i] != ref for r in runs) for i, ref in enumerate(reference))}
-        if METHODS[name].kind == "engine":
+        if cfg.method(name).kind == "engine":
             steps = sum(last["modes"].values())
             split = {k: v / last["seconds"] for k, v in last["forward"].items()}
             split["other"] = 1 - sum(split.values())
@@ -304,10 +326,10 @@ def run_harness(cfg: HarnessConfig) -> dict:
     t_start = time.perf_counter()
     runtime = RuntimeConfig(device=cfg.device, dtype=cfg.dtype, threads=cfg.threads)
     lm = load_model(cfg.model, runtime)
-    choice = resolve_drafter(cfg.drafter or None, lm.model, required=any(m in SPECULATIVE for m in cfg.methods))
+    choice = resolve_drafter(cfg.drafter or None, lm.model, required=any(map(speculative, cfg.methods)))
     store, store_source = resolve_store(cfg.store or None, cfg.model, lm.model.args.vocab_size)
     hf = None
-    if any(METHODS[m].kind != "engine" for m in cfg.methods):
+    if any(cfg.method(m).kind != "engine" for m in cfg.methods):
         pad = lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else 0
         hf = HFRunner(load_hf(lm, runtime), list(lm.eos_token_ids), pad)
     datasets = check_datasets(cfg.datasets)
@@ -399,7 +421,7 @@ def _line(r: dict) -> str:
     if "skipped" in r:
         return f"{r['method']:>22}: skipped ({r['skipped']})"
     hf = f", x{r['speedup_hf']:.2f} over transformers" if r.get("speedup_hf") else ""
-    extra = f", steps {_modes(r)}" if r["method"] in SPECULATIVE else ""
+    extra = f", steps {_modes(r)}" if speculative(r["method"]) else ""
     extra += f", pruned misses {r['pruned_misses']:.0%}" if "parallel" in r.get("mode_share", {}) else ""
     return (f"{r['method']:>22}: {r['tok_s']:7.1f} tok/s, x{r['speedup_ar']:.2f} over AR{hf}, tau {r['tau']:.2f}, "
             f"mismatched rows {_mismatched(r)}{extra}")
@@ -437,7 +459,8 @@ def report(results: dict) -> str:
              "draw for draw); the engine's tests check that speculative sampling keeps the target's distribution."]
     lines.append("* Datasets: " + "; ".join(f"`{d}` ({BENCH_DATASETS[d].title}, package {BENCH_DATASETS[d].source})"
                                            for d in cfg["datasets"] if d in BENCH_DATASETS) + ".")
-    lines.append("* Methods: " + "; ".join(f"`{m}` ({METHODS[m].about})" for m in cfg["methods"]) + ".")
+    about = {m: METHODS[m].about if m in METHODS else f"the policy file {cfg['policies'][m]}" for m in cfg["methods"]}
+    lines.append("* Methods: " + "; ".join(f"`{m}` ({about[m]})" for m in cfg["methods"]) + ".")
     if results["unavailable"]:
         lines.append("* Not run, nothing substituted: " + "; ".join(f"{d} ({why})" for d, why in
                                                                     results["unavailable"].items()) + ".")
@@ -451,7 +474,7 @@ def report(results: dict) -> str:
         acc = " ".join(f"{a:.2f}" for a in (r.get("acceptance") or [])[:4] if a is not None)
         cells.append([r["dataset"], r["batch"], r["method"], f"{r['tok_s']:.1f}", f"{r['speedup_ar']:.2f}x",
                       f"{r['speedup_hf']:.2f}x" if r.get("speedup_hf") else "n/a", f"{r['tau']:.2f}",
-                      _mismatched(r), acc, _modes(r) if r["method"] in SPECULATIVE else "",
+                      _mismatched(r), acc, _modes(r) if speculative(r["method"]) else "",
                       f"{r['pruned_misses']:.0%}" if "parallel" in r.get("mode_share", {}) else ""])
     lines.append(markdown("**Per dataset and batch size** (acceptance: P(draft j accepted | drafts before it accepted), "
                           "j = 1..4; steps: share of engine steps per mode)",
@@ -491,7 +514,7 @@ def plot(results: dict, out: Path) -> list[Path]:
     paths.append(out / "speedup_vs_batch.png")
     fig.savefig(paths[-1], dpi=110)
 
-    spec = [m for m in methods if m in SPECULATIVE]
+    spec = [m for m in methods if speculative(m)]
     b1 = min(r["batch"] for r in rows)
     fig, ax = plt.subplots(figsize=(6, 3.8))
     for m in spec:

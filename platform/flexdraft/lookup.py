@@ -35,8 +35,8 @@ class NgramIndex:
     def extend(self, tokens: list[int]) -> None:
         self.tokens.extend(tokens)
 
-    def propose(self, k: int) -> tuple[list[int], int]:
-        """The longest suffix n-gram (n = max_n .. 1) that occurred before: the k tokens after its latest earlier
+    def propose(self, k: int, max_n: int = 0) -> tuple[list[int], int]:
+        """The longest suffix n-gram (n = max_n (0: the index's) .. 1) that occurred before: the k tokens after its latest earlier
         occurrence. A continuation that runs into the present continues with itself, so a loop of period
         p < k proposes its next k tokens, not p."""
         t, L = self.tokens, len(self.tokens)
@@ -44,7 +44,7 @@ class NgramIndex:
             for n in range(1, min(self.max_n, end + 1) + 1):
                 self.last[n][tuple(t[end - n + 1:end + 1])] = end
         self.indexed = max(self.indexed, L - 1)
-        for n in range(min(self.max_n, L), 0, -1):
+        for n in range(min(max_n or self.max_n, self.max_n, L), 0, -1):
             end = self.last[n].get(tuple(t[L - n:]))
             if end is None:
                 continue

@@ -12,12 +12,13 @@ import torch
 
 from flexdraft import logs
 from flexdraft.config import RuntimeConfig, data_dir
-from flexdraft.drafter import Drafter, DrafterConfig, load_drafter, read_drafter_meta, weights_fingerprint
+from flexdraft.drafter import WEIGHTS, Drafter, DrafterConfig, load_drafter, read_drafter_meta, weights_fingerprint
 from flexdraft.engine import NO_DRAFTER, Engine, EngineConfig
 from flexdraft.errors import FlexDraftError
 from flexdraft.lookup import NgramStore
 from flexdraft.models.loading import LoadedModel, load_model
 from flexdraft.pipeline import PipelineConfig, default_drafter_dir
+from flexdraft.policy_file import Policy, load_policy
 
 
 PROFILE_FORMAT = 15  # bump when Engine.profile measures other shapes or passes, or forwards get faster: cached profiles are redone
@@ -28,6 +29,7 @@ class DrafterChoice:
     drafter: Drafter | None
     source: str  # a folder, "init", or "" (none)
     prior: dict | None  # the drafter's validation agreement (seeds the acceptance model)
+    fingerprint: str = ""  # of its weights file ("init-k<k>-B<B>" for init): what a policy is measured for
 
 
 def resolve_drafter(spec: str | None, target, required: bool) -> DrafterChoice:
@@ -37,7 +39,8 @@ def resolve_drafter(spec: str | None, target, required: bool) -> DrafterChoice:
     if spec == "init":  # the default shape, with fewer tuned layers on a model too shallow for it
         cfg = DrafterConfig()
         cfg.k = min(cfg.k, max(1, target.args.n_layers // 2))
-        return DrafterChoice(Drafter.from_target(target, cfg).to_runtime(target), "init", None)
+        return DrafterChoice(Drafter.from_target(target, cfg).to_runtime(target), "init", None,
+                             f"init-k{cfg.k}-B{cfg.block_size}")
     folder = Path(spec).expanduser() if spec else default_drafter_dir()
     if not spec and not (folder / "drafter.json").is_file():
         if required:
@@ -45,7 +48,26 @@ def resolve_drafter(spec: str | None, target, required: bool) -> DrafterChoice:
                                  "`flexdraft pipeline`, pass --drafter PATH, or --drafter init (untrained)")
         return DrafterChoice(None, "", None)
     drafter = load_drafter(folder, target).to_runtime(target)
-    return DrafterChoice(drafter, str(folder), read_drafter_meta(folder).get("eval"))
+    digest = hashlib.sha256((folder / WEIGHTS).read_bytes()).hexdigest()[:16]
+    return DrafterChoice(drafter, str(folder), read_drafter_meta(folder).get("eval"), digest)
+
+
+def resolve_policy(path: str, target, choice: DrafterChoice) -> Policy:
+    """Load a policy file for this target and drafter: one measured for another is refused; one measured on
+    another device, dtype or thread count is used with a warning (lossless anyway, maybe slower)."""
+    policy = load_policy(path)
+    if choice.drafter is None:
+        raise FlexDraftError(f"policy {path} needs a drafter (it was tuned for {policy.drafter.get('path')}): "
+                             "pass --drafter")
+    policy.refuse_other(weights_fingerprint(target), choice.fingerprint, path)
+    here = {"device": str(target.device.type), "dtype": str(target.dtype).removeprefix("torch."),
+            "threads": torch.get_num_threads()}
+    differs = {k: (policy.machine.get(k), v) for k, v in here.items() if policy.machine.get(k) not in (None, v)}
+    if differs:
+        logs.get("engine").warning(f"policy {path} was measured with "
+                                   + ", ".join(f"{k} {a} (here {b})" for k, (a, b) in differs.items())
+                                   + ": its choices may not be the fastest here")
+    return policy
 
 
 def resolve_store(spec: str | None, model: str, vocab_size: int) -> tuple[NgramStore | None, str]:
@@ -69,11 +91,13 @@ def resolve_store(spec: str | None, model: str, vocab_size: int) -> tuple[NgramS
     return NgramStore.load(path, vocab_size), str(path)
 
 
-def profile_file(target, drafter: Drafter, cfg: EngineConfig) -> Path:
-    """The cached cost profile of this model, drafter shape, device, dtype, threads and batch size."""
+def profile_file(target, drafter: Drafter, cfg: EngineConfig, tree_sizes: list[int] | None = None) -> Path:
+    """The cached cost profile of this model, drafter shape, device, dtype, threads and batch size (tree_sizes:
+    a policy's, when other than [tree_nodes])."""
     key = json.dumps([PROFILE_FORMAT, weights_fingerprint(target), asdict(drafter.config), str(target.device),
                       str(target.dtype), target.math_attention, torch.get_num_threads(), cfg.max_batch,
-                      cfg.switch_batch, cfg.block_size, cfg.tree_nodes], sort_keys=True)
+                      cfg.switch_batch, cfg.block_size, cfg.tree_nodes] + ([tree_sizes] if tree_sizes else []),
+                     sort_keys=True)
     return data_dir() / "profiles" / (hashlib.sha256(key.encode()).hexdigest()[:12] + ".json")
 
 
@@ -81,7 +105,9 @@ def seed_costs(engine: Engine) -> None:
     """Adaptive engines: load the cached cost profile, or measure it (a few seconds) and cache it."""
     if engine.config.mode != "adaptive" or not engine.config.cost_model:
         return
-    path = profile_file(engine.target, engine.drafter, engine.config)
+    sizes = engine.tree_sizes()
+    path = profile_file(engine.target, engine.drafter, engine.config,
+                        sizes if sizes != [engine.config.tree_nodes] else None)
     if path.is_file():
         engine.costs.load_profile(path)
         return
@@ -90,25 +116,33 @@ def seed_costs(engine: Engine) -> None:
     engine.costs.save_profile(path)
 
 
-def build_engine(lm: LoadedModel, choice: DrafterChoice, cfg: EngineConfig, store: NgramStore | None) -> Engine:
+def build_engine(lm: LoadedModel, choice: DrafterChoice, cfg: EngineConfig, store: NgramStore | None,
+                 policy: Policy | None = None) -> Engine:
     """An engine over a loaded model: the drafter where the mode uses one, seeded with the drafter's validation
-    agreement, and (adaptive) the cost profile `seed_costs` loads or measures."""
-    engine = Engine(lm.model, choice.drafter if cfg.mode not in NO_DRAFTER else None, cfg, lm.eos_token_ids,
-                    acceptance_prior=choice.prior, store=store)
+    agreement, the policy's bands if given (`resolve_policy`), and (adaptive) the cost profile `seed_costs` loads
+    or measures."""
+    use_drafter = cfg.mode not in NO_DRAFTER or policy is not None
+    engine = Engine(lm.model, choice.drafter if use_drafter else None, cfg, lm.eos_token_ids,
+                    acceptance_prior=choice.prior, store=store, policy=policy)
     seed_costs(engine)
     return engine
 
 
 def load_engine(model: str, runtime: RuntimeConfig, drafter_spec: str | None, cfg: EngineConfig,
-                mode_given: bool = True, store_spec: str | None = None) -> tuple[LoadedModel, Engine, str]:
-    """-> (model, ready engine, a note saying which drafter, n-gram store, mode and runtime). Without an
-    explicit mode: adaptive when a drafter is available, else AR."""
+                mode_given: bool = True, store_spec: str | None = None,
+                policy_spec: str | None = None) -> tuple[LoadedModel, Engine, str]:
+    """-> (model, ready engine, a note saying which drafter, policy, n-gram store, mode and runtime). Without an
+    explicit mode: adaptive when a drafter is available, else AR. policy_spec: a policy file (`policy_file`)."""
     lm = load_model(model, runtime)
-    choice = resolve_drafter(drafter_spec, lm.model, required=cfg.mode not in NO_DRAFTER and mode_given)
-    if not mode_given:
+    required = (cfg.mode not in NO_DRAFTER and mode_given) or bool(policy_spec)
+    choice = resolve_drafter(drafter_spec, lm.model, required=required)
+    policy = resolve_policy(policy_spec, lm.model, choice) if policy_spec else None
+    if policy is not None:
+        cfg.mode = "adaptive"
+    elif not mode_given:
         cfg.mode = "adaptive" if choice.drafter is not None else "ar"
     if choice.source:
-        note = f"[drafter: {choice.source}; mode {cfg.mode}]"
+        note = f"[drafter: {choice.source}; mode {cfg.mode}" + (f", policy {policy_spec}]" if policy else "]")
     else:
         note = f"[no drafter (the default {default_drafter_dir()} does not exist): mode {cfg.mode}]"
     store, source = resolve_store(store_spec, model, lm.model.args.vocab_size) if cfg.lookup else (None, "")
@@ -117,4 +151,4 @@ def load_engine(model: str, runtime: RuntimeConfig, drafter_spec: str | None, cf
     m = lm.model
     note = note[:-1] + (f"; {m.device.type} {str(m.dtype).removeprefix('torch.')} (dtype {runtime.dtype}), "
                         f"prepacked {m.lm_head.packed is not None}]")
-    return lm, build_engine(lm, choice, cfg, store), note
+    return lm, build_engine(lm, choice, cfg, store, policy), note

@@ -20,6 +20,7 @@ from flexdraft.config import RuntimeConfig, from_dict
 from flexdraft.engine import Engine, EngineConfig, StepStats
 from flexdraft.errors import FlexDraftError
 from flexdraft.generate import Generation, SamplingParams
+from flexdraft.policy_file import POLICY_KEYS
 
 # EngineConfig fields a live engine takes between two steps (policy knobs); any other change needs a new engine
 LIVE_KNOBS = ("switch_batch", "top_m", "rho", "calibrate", "cost_model")
@@ -34,12 +35,17 @@ class ServeConfig:
     served_model_name: str = ""  # the `model` clients name ("" = the model source's name)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     engine: dict = field(default_factory=dict)  # EngineConfig fields (mode, switch_batch, max_batch, ...)
+    policy: str = ""  # a policy file from `flexdraft sweep`: it sets mode, S, B', pruning per live batch size
     default_max_tokens: int = 256  # new tokens of a request that names no max_tokens
     api_key_env: str = "FLEXDRAFT_API_KEY"  # when this variable is set, requests need `Authorization: Bearer <it>`
     mlflow_every_s: float = 30.0  # a serving run in MLflow, a point every this many seconds (0 = none)
 
     def __post_init__(self):
         self.engine_config()  # unknown engine keys and wrong types, named
+        both = [k for k in POLICY_KEYS if k in self.engine] if self.policy else []
+        if both:
+            raise FlexDraftError(f"user_config.engine.{both[0]} is set by the policy file {self.policy}: remove "
+                                 f"{', '.join(both)} from engine (or the policy)")
 
     def engine_config(self) -> EngineConfig:
         return from_dict(EngineConfig, self.engine, ".engine")
@@ -60,7 +66,7 @@ def build(cfg: ServeConfig):
 
     ec = cfg.engine_config()
     drafter = cfg.drafter or None
-    if ec.mode == "adaptive" and not cfg.drafter:
+    if ec.mode == "adaptive" and not cfg.drafter and not cfg.policy:
         from flexdraft.pipeline import default_drafter_dir
 
         if not (default_drafter_dir() / "drafter.json").is_file():
@@ -68,14 +74,16 @@ def build(cfg: ServeConfig):
             logs.get("serve").info(f"no trained drafter ({default_drafter_dir()} does not exist): serving in lookup "
                                    "mode (prompt lookup + n-gram store, AR steps elsewhere); train one with "
                                    "`flexdraft pipeline`")
-    lm, engine, note = load_engine(cfg.model, cfg.runtime, drafter, ec, store_spec=cfg.store or None)
+    lm, engine, note = load_engine(cfg.model, cfg.runtime, drafter, ec, store_spec=cfg.store or None,
+                                   policy_spec=cfg.policy or None)
     return lm, engine, note
 
 
 def apply_live(engine: Engine, cfg: ServeConfig) -> dict:
     """Set the live knobs of `cfg.engine` on a running engine (on its thread: `AsyncEngine.call`) -> the changes."""
     new = cfg.engine_config()
-    changed = {k: getattr(new, k) for k in LIVE_KNOBS if getattr(new, k) != getattr(engine.config, k)}
+    knobs = [k for k in LIVE_KNOBS if engine.policy is None or k not in POLICY_KEYS]  # (a policy's are its own)
+    changed = {k: getattr(new, k) for k in knobs if getattr(new, k) != getattr(engine.config, k)}
     for k, v in changed.items():
         setattr(engine.config, k, v)
     engine.config.check(engine.drafter, engine.target.args.max_position_embeddings)

@@ -15,15 +15,15 @@ REPLAN_STEPS = 16  # a cached plan is re-priced after this many steps (costs and
 
 
 class Planner:
-    """Plans steps for `block` drafts per row at most. `trees`: tree steps may be weighed (tree_nodes nodes);
+    """Plans steps for `block` drafts per row at most. `trees`: tree steps may be weighed (tree_nodes: the largest);
     `switch_batch` (S): parallel plans only at <= S rows, and the rule without a cost model (parallel at <= S
-    rows, sequential above)."""
+    rows, sequential above). A step's `band` (`policy_file.Band`, a function of the live rows) caps the drafts
+    (`block`) and sets the tree's nodes (0: no tree steps)."""
 
     def __init__(self, block: int, switch_batch: int, tree_nodes: int, trees: bool, cost_model: bool,
                  acceptance_prior: dict | None = None):
         self.B, self.switch_batch, self.tree_nodes, self.trees = block, switch_batch, tree_nodes, trees
         self.cost_model = cost_model
-        self.block_sizes = sorted({1, 2, 4, block} & set(range(1, block + 1)))  # drafts per row a plan weighs
         self.acceptance = AcceptanceModel(max(block, 1), acceptance_prior, tree_nodes=tree_nodes)
         self.costs = CostModel()
         self._plans: dict[tuple[int, int], tuple[Plan, float, int]] = {}  # (rows, fresh) -> plan, tokens/s, step
@@ -36,35 +36,40 @@ class Planner:
         """Whether plans are priced (a cost model with every kind measured), not the rule alone."""
         return self.cost_model and all(self.costs.known(k) for k in CostModel.KINDS)
 
-    def adaptive(self, n: int, fresh: int, step: int) -> tuple[Plan, float | None]:
+    @staticmethod
+    def block_sizes(block: int) -> list[int]:
+        """The drafts per row a plan of at most `block` drafts weighs."""
+        return sorted({1, 2, 4, block} & set(range(1, block + 1)))
+
+    def adaptive(self, n: int, fresh: int, step: int, band) -> tuple[Plan, float | None]:
         """The plan for n rows, `fresh` of them without drafts (fresh, pruned, after AR or lookup), at engine step
-        `step` -> (plan, its expected tokens/s; None when the rule chose it)."""
+        `step`, within the rows' band -> (plan, its expected tokens/s; None when the rule chose it)."""
         rule = "parallel" if n <= self.switch_batch else "sequential"
         if not self.ready():
-            return Plan(rule, self.B), None
-        key = (n, fresh)
+            return Plan(rule, band.block or self.B), None
+        key = (n, fresh)  # (the band is a function of n)
         if key not in self._plans or step - self._plans[key][2] >= REPLAN_STEPS:
-            self._plans[key] = (*self.best(n, fresh, rule), step)
+            self._plans[key] = (*self.best(n, fresh, rule, band), step)
         plan, rate, _ = self._plans[key]
         return plan, rate
 
-    def best(self, n: int, fresh: int, rule: str) -> tuple[Plan, float]:
+    def best(self, n: int, fresh: int, rule: str, band) -> tuple[Plan, float]:
         """-> the best plan for n rows, `fresh` of them without drafts, and its expected tokens per second."""
-        B, acc, costs = self.B, self.acceptance, self.costs
+        B, acc, costs = band.block or self.B, self.acceptance, self.costs
         best, best_rate = Plan("ar"), n / (costs.seconds("target", n, 1) + costs.overhead("ar"))
-        for Bv in self.block_sizes:
+        for Bv in self.block_sizes(B):
             tokens = n * (1 + acc.expected_accepted("sequential", Bv))
             rate = tokens / (costs.seconds("target", n, Bv + 1) + costs.seconds("draft", n, Bv + 1)
                              + costs.overhead("sequential"))
             if rate > best_rate:
                 best, best_rate = Plan("sequential", Bv), rate
-        if self.trees:
+        if self.trees and band.tree_nodes:
             rate = n * (1 + acc.expected_accepted("tree", B)) / (
-                costs.seconds("target", n, self.tree_nodes + 1) + costs.seconds("draft", n, B + 1)
+                costs.seconds("target", n, band.tree_nodes + 1) + costs.seconds("draft", n, B + 1)
                 + costs.overhead("tree"))
             if rate > best_rate:
                 best, best_rate = Plan("tree", B), rate
-        for Bv in (self.block_sizes if rule == "parallel" else ()):
+        for Bv in (self.block_sizes(B) if rule == "parallel" else ()):
             p_len = acc.length_distribution("parallel", Bv).sort(descending=True).values
             # rows without drafts get a sequential drafter pass first (bonus-known drafts) and pay for it
             tokens = ((n - fresh) * (1 + acc.expected_accepted("parallel", Bv))
@@ -79,16 +84,16 @@ class Planner:
         return best, best_rate
 
     def lookup(self, options: list[list[tuple[list[list[int]], str | None]]], critical: list[int] | None,
-               rate_to_beat: float) -> tuple[Plan, int] | None:
+               rate_to_beat: float, block: int) -> tuple[Plan, int] | None:
         """The best lookup step over `options` (each: per row its chains and acceptance kind, None without a match)
-        with 1/2/4/B drafts per row, if one promises more than rate_to_beat tokens/s -> (plan, index of the
+        with 1/2/4/`block` drafts per row, if one promises more than rate_to_beat tokens/s -> (plan, index of the
         option). Rows without a match still get one token. `critical`: the rows that set when the batch drains
         (None while requests wait): then a step counts n times the tokens of its poorest critical row."""
         best, best_rate = None, rate_to_beat
         for i, proposals in enumerate(options):
             n = len(proposals)
             kinds = [kind for _, kind in proposals]
-            for Bv in self.block_sizes:
+            for Bv in self.block_sizes(block):
                 expected = {k: self.acceptance.expected_accepted(k, Bv) for k in set(kinds) - {None}}
                 extra = [expected[k] if k else 0.0 for k in kinds]  # per row
                 tokens = n + (sum(extra) if critical is None else n * min(extra[r] for r in critical))
@@ -100,14 +105,14 @@ class Planner:
         return best
 
 
-def profile_shapes(max_batch: int, block: int, switch_batch: int, tree_nodes: int) -> list[tuple[str, int, int, int]]:
+def profile_shapes(max_batch: int, block: int, switch_batch: int, tree_nodes: list[int]) -> list[tuple[str, int, int, int]]:
     """The forwards the planner prices, as (kind, rows, tokens per row, branches): target forwards of 1 token
-    (AR), the verify blocks weighed, a tree (tree_nodes > 0) and a lookup trie of two chains (measured with or
+    (AR), the verify blocks weighed, trees (of each size in tree_nodes) and a lookup trie of two chains (measured with or
     without a store: engines that differ only in their store share one profile); drafter passes; parallel
     forwards at <= switch_batch rows."""
     rows = [n for n in (1, 2, 4, 8, 16, 32, 64) if n <= max_batch]
     blocks = sorted({2, 3, 5, block + 1} & set(range(2, block + 2)))  # the block lengths the policy weighs
-    verify = sorted({1, *blocks, 2 * block + 1} | ({tree_nodes + 1} if tree_nodes else set()))
+    verify = sorted({1, *blocks, 2 * block + 1} | {t + 1 for t in tree_nodes if t})
     shapes = [("target", n, T, 0) for n in rows for T in verify]
     shapes += [("draft", n, T, 0) for n in rows for T in blocks]
     S = min(switch_batch, max_batch)
