@@ -112,6 +112,38 @@ def mlflow_uri(tmp_path, monkeypatch, mlflow_db):
     return uri
 
 
+@pytest.fixture(scope="session")
+def tiny_pipeline(tmp_path_factory):
+    """A tiny llama, its 'distilled' data (random sequences in the distill format) and a config."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from flexdraft.config import from_dict
+    from flexdraft.distill import write_manifest
+    from flexdraft.pipeline import PipelineConfig
+
+    root = tmp_path_factory.mktemp("pipeline")
+    make_tiny_hf("llama", root / "model")
+    raw = {"name": "tiny", "output_dir": str(root / "out"), "model": str(root / "model"),
+           "drafter": {"k": 2, "block_size": 4},
+           "distill": {"num_prompts": 24, "validation_prompts": 4},
+           "attention": {"steps": 6, "anchors_per_seq": 8, "checkpoint_every": 3, "log_every": 3, "eval_sequences": 4},
+           "calibration": {"steps": 1000, "time_budget_min": 0.1, "anchors_per_seq": 8, "checkpoint_every": 4,
+                           "log_every": 4, "eval_sequences": 4}}
+    cfg = from_dict(PipelineConfig, raw)
+    data = cfg.distill_dir()
+    data.mkdir(parents=True)
+    g = torch.Generator().manual_seed(0)
+    for split, n in (("train", 20), ("validation", 4)):
+        ids = [torch.randint(3, 96, (int(torch.randint(30, 60, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(n)]
+        pq.write_table(pa.table({"id": [f"{split}{i}" for i in range(n)], "input_ids": ids, "prompt_len": [8] * n,
+                                 "finish_reason": ["length"] * n}), data / f"{split}-00000.parquet")
+    write_manifest(data, cfg)  # a finished distill job's folder: reused, never redone
+    (root / "tiny.yaml").write_text(json.dumps(raw))  # JSON is YAML
+    return cfg, raw, root
+
+
 def write_jsonl(path, rows):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path

@@ -105,6 +105,12 @@ class StepClock:
         self.ends = collections.deque(maxlen=plan.HOLD_WINDOW + 1)  # when the latest steps ended
         self.spent_before = 0.0  # of the budget, by earlier attempts' steps (the count covers them)
 
+    def exclude(self, seconds: float) -> None:
+        """Time spent since the last step on something else (an evaluation): the budget and the pace skip it."""
+        self.t0 += seconds
+        self.probe = [t + seconds for t in self.probe]
+        self.ends = collections.deque((t + seconds for t in self.ends), maxlen=self.ends.maxlen)
+
     def step_done(self, done: int) -> str | None:
         plan, t = self.plan, self.now()
         if not plan.fixed and done in (self.start + 2, self.start + plan.PROBE):

@@ -194,6 +194,17 @@ def env_report(model: str) -> dict:
     }
 
 
+def cmd_sweep(args) -> None:
+    """tuning/sweep.py of this checkout, as its own process (Ray Tune ships its trial functions from there)."""
+    import subprocess
+
+    argv = ["--config", args.config] + (["--drafter", args.drafter] if args.drafter else []) + \
+        (["--resume"] if args.resume else [])
+    rc = subprocess.call([sys.executable, str(REPO / "tuning" / "sweep.py"), *argv])
+    if rc:
+        sys.exit(rc)
+
+
 def cmd_env(args) -> None:
     report = env_report(args.model)
     if args.json:
@@ -307,6 +318,12 @@ def build_parser() -> argparse.ArgumentParser:
         j = sub.add_parser(name, help=help_)
         j.add_argument("--config", default="configs/smollm2.yaml", help="pipeline YAML")
         j.set_defaults(func=cmd_job, stage=stage)
+
+    w = sub.add_parser("sweep", help="Ray Tune sweep of decode-time or training-time settings -> a policy file")
+    w.add_argument("--config", default=str(REPO / "tuning" / "configs" / "decode.yaml"), help="sweep YAML")
+    w.add_argument("--drafter", help="decode sweeps: the drafter to sweep over (default: the config's)")
+    w.add_argument("--resume", action="store_true", help="continue the interrupted sweep of this name")
+    w.set_defaults(func=cmd_sweep)
 
     e = sub.add_parser("env", help="what this machine can run fast and what `auto` resolves to (for bug reports)")
     e.add_argument("--model", default="smollm2", help="the model whose attention kernel choice to show")

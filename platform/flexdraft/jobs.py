@@ -325,8 +325,13 @@ def train_func(config: dict) -> None:
                 mlflow.log_metric("train/budget_min", plan.budget_s / 60, step=done)
             log(stage, event)
             mlflow.log_metric("train/planned_steps", plan.steps, step=done)
-        if done % tc.log_every == 0 or done % tc.checkpoint_every == 0 or done == plan.steps:
+        evaluating = bool(tc.eval_every) and done % tc.eval_every == 0 and done != plan.steps  # (the last: below)
+        if done % tc.log_every == 0 or done % tc.checkpoint_every == 0 or done == plan.steps or evaluating:
             metrics = window.metrics(reduce, world, scheduler.get_last_lr()[0])
+            if evaluating:  # (not counted as training time by the budget)
+                t_eval = time.perf_counter()
+                metrics.update(evaluate())
+                clock.exclude(time.perf_counter() - t_eval)
             if rank == 0:
                 log(stage, f"step {done}/{plan.steps} loss {metrics['train/loss']:.3f} lr {metrics['train/lr']:.2e} "
                            f"{metrics['train/seq_tokens_per_s']:.0f} seq tok/s "
@@ -402,9 +407,10 @@ def preflight(cfg: PipelineConfig, stage: str) -> dict[str, list[Path]]:
     return files
 
 
-def run_training(cfg: PipelineConfig, stage: str, deadline: float | None = None):
+def run_training(cfg: PipelineConfig, stage: str, deadline: float | None = None, callbacks: list | None = None):
     """Fit one stage with TorchTrainer; reuses a finished result and resumes an interrupted run. deadline: when
-    the pipeline this stage runs in should end (epoch seconds; `deadline_budget`)."""
+    the pipeline this stage runs in should end (epoch seconds; `deadline_budget`). callbacks: Ray Train callbacks
+    (a sweep's trial passes Tune's `TuneReportCallback`)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     import ray
@@ -449,7 +455,7 @@ def run_training(cfg: PipelineConfig, stage: str, deadline: float | None = None)
         dataset_config=DataConfig(datasets_to_split=["train"]),
         run_config=RunConfig(name=f"{stage}-{key}", storage_path=str(cfg.root / "ray"),
                              failure_config=FailureConfig(max_failures=w.max_failures),
-                             checkpoint_config=CheckpointConfig(num_to_keep=2)),
+                             checkpoint_config=CheckpointConfig(num_to_keep=2), callbacks=callbacks),
     )
     result = trainer.fit()
     meta = read_drafter_meta(out)

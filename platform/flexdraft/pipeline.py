@@ -58,6 +58,8 @@ class TrainConfig:
     eval_sequences: int = 40  # validation sequences for the agreement metrics
     eval_stride: int = 7  # one evaluation anchor every eval_stride answer positions
     eval_anchors: int = 24  # at most this many per sequence
+    eval_every: int = 0  # also evaluate every this many steps (0: before and after training only); a sweep's ASHA
+    # compares trials by it
     seed: int = 0
 
     def check(self, where: str) -> None:
@@ -65,6 +67,8 @@ class TrainConfig:
                     "eval_anchors"):
             if getattr(self, key) < 1:
                 raise FlexDraftError(f"config.{where}.{key} must be >= 1, got {getattr(self, key)}")
+        if self.eval_every < 0:
+            raise FlexDraftError(f"config.{where}.eval_every must be >= 0 (0 = none), got {self.eval_every}")
         if self.time_budget_min < 0:
             raise FlexDraftError(f"config.{where}.time_budget_min must be >= 0 (0 = none), got {self.time_budget_min}")
         if self.loss not in ("ce", "kl"):
