@@ -11,7 +11,8 @@ from conftest import make_tiny_hf
 from flexdraft.config import RuntimeConfig
 from flexdraft.drafter import Drafter, DrafterConfig, read_drafter_meta, load_drafter
 from flexdraft.drafter import parallel_forward
-from flexdraft.engine import Engine, EngineConfig
+from flexdraft.engine import Engine
+from flexdraft.engine_config import EngineConfig
 from flexdraft.errors import FlexDraftError
 from flexdraft.generate import SamplingParams, filtered_logits, generate, prefill
 from flexdraft.lookup import NgramIndex, NgramStore

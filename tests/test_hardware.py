@@ -14,7 +14,8 @@ from conftest import make_tiny_hf
 from flexdraft import hardware
 from flexdraft.config import RuntimeConfig
 from flexdraft.drafter import Drafter, DrafterConfig
-from flexdraft.engine import Engine, EngineConfig
+from flexdraft.engine import Engine
+from flexdraft.engine_config import EngineConfig
 from flexdraft.generate import SamplingParams, generate
 from flexdraft.models.loading import load_model
 from flexdraft.models.transformer import Linear

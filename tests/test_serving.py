@@ -9,7 +9,8 @@ import pytest
 from conftest import make_tiny_hf
 from flexdraft.config import RuntimeConfig, from_dict
 from flexdraft.drafter import Drafter, DrafterConfig
-from flexdraft.engine import Engine, EngineConfig
+from flexdraft.engine import Engine
+from flexdraft.engine_config import EngineConfig
 from flexdraft.errors import FlexDraftError
 from flexdraft.generate import SamplingParams
 from flexdraft.models.loading import load_model
@@ -136,6 +137,21 @@ def test_live_knobs_change_the_running_engine_and_others_need_a_new_one(parts):
     assert e.config.switch_batch == e.planner.switch_batch == 1 and e.config.top_m == 2
     with pytest.raises(FlexDraftError, match="unknown key"):
         from_dict(ServeConfig, {"engine": {"switch_batc": 1}})
+
+
+def test_a_policy_in_user_config_owns_its_knobs_and_live_changes_leave_them(parts, tmp_path):
+    """user_config.policy: engine keys the policy sets are refused next to it; a live reconfigure changes only
+    what the policy does not set (calibrate), never its S or bands."""
+    from flexdraft.policy_file import Band, Policy, save_policy
+
+    path = save_policy(Policy(switch_batch=2, bands=[Band(None, "sequential", block=2)]), tmp_path / "p.yaml")
+    with pytest.raises(FlexDraftError, match=r"user_config.engine.switch_batch is set by the policy file"):
+        from_dict(ServeConfig, {"policy": str(path), "engine": {"switch_batch": 4, "max_batch": 4}})
+    model, drafter = parts
+    e = Engine(model, drafter, EngineConfig(max_batch=4, max_len=96), policy=Policy(2, [Band(None, "sequential", 2)]))
+    live = from_dict(ServeConfig, {"policy": str(path), "engine": {"calibrate": False}})
+    assert apply_live(e, live) == {"calibrate": False}
+    assert e.config.switch_batch == 2 and e.band(3).mode == "sequential"
 
 
 @pytest.mark.parametrize("body,chat,status,param", [

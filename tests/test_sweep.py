@@ -16,7 +16,8 @@ from conftest import ENV, REPO, make_tiny_hf, write_jsonl
 from flexdraft.cli import main
 from flexdraft.config import RuntimeConfig, from_dict
 from flexdraft.drafter import Drafter, DrafterConfig
-from flexdraft.engine import Engine, EngineConfig
+from flexdraft.engine import Engine
+from flexdraft.engine_config import EngineConfig
 from flexdraft.errors import FlexDraftError
 from flexdraft.generate import SamplingParams, generate
 from flexdraft.models.loading import load_model

@@ -31,7 +31,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     """The EngineConfig fields that are flags, with the config's defaults and help: one place for both."""
     import dataclasses
 
-    from flexdraft.engine import MODES, EngineConfig
+    from flexdraft.engine_config import MODES, EngineConfig
 
     p.add_argument("--mode", choices=MODES,
                    help="decoding mode (default: adaptive when a drafter is available, else ar)")
@@ -44,7 +44,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
 def _engine_config(args):
     import dataclasses
 
-    from flexdraft.engine import EngineConfig
+    from flexdraft.engine_config import EngineConfig
 
     knobs = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if "help" in f.metadata}
     return EngineConfig(mode=args.mode or "adaptive", **knobs)

@@ -25,7 +25,8 @@ from flexdraft import logs
 from flexdraft.bench import hf_generate, load_hf, markdown, timed
 from flexdraft.config import RuntimeConfig, data_dir, from_dict, load_yaml
 from flexdraft.data import BENCH_DATASETS, UNAVAILABLE_DATASETS, bench_prompts, check_datasets
-from flexdraft.engine import Engine, EngineConfig
+from flexdraft.engine import Engine
+from flexdraft.engine_config import EngineConfig
 from flexdraft.errors import FlexDraftError
 from flexdraft.generate import SamplingParams, generate
 from flexdraft.models.loading import load_model

@@ -13,7 +13,8 @@ import torch
 from flexdraft import logs
 from flexdraft.config import RuntimeConfig, data_dir
 from flexdraft.drafter import WEIGHTS, Drafter, DrafterConfig, load_drafter, read_drafter_meta, weights_fingerprint
-from flexdraft.engine import NO_DRAFTER, Engine, EngineConfig
+from flexdraft.engine import Engine
+from flexdraft.engine_config import NO_DRAFTER, EngineConfig
 from flexdraft.errors import FlexDraftError
 from flexdraft.lookup import NgramStore
 from flexdraft.models.loading import LoadedModel, load_model

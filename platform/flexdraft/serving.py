@@ -17,7 +17,8 @@ import torch
 
 from flexdraft import logs
 from flexdraft.config import RuntimeConfig, from_dict
-from flexdraft.engine import Engine, EngineConfig, StepStats
+from flexdraft.engine import Engine
+from flexdraft.engine_config import EngineConfig, StepStats
 from flexdraft.errors import FlexDraftError
 from flexdraft.generate import Generation, SamplingParams
 from flexdraft.policy_file import POLICY_KEYS

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from flexdraft import logs
 from flexdraft.config import RuntimeConfig, data_dir, load_yaml
-from flexdraft.engine import EngineConfig
+from flexdraft.engine_config import EngineConfig
 from flexdraft.errors import FlexDraftError
 from flexdraft.policy_file import Band, Policy
 

@@ -10,7 +10,7 @@ import time
 
 from flexdraft.config import RuntimeConfig
 from flexdraft.data import chat_ids
-from flexdraft.engine import EngineConfig
+from flexdraft.engine_config import EngineConfig
 from flexdraft.generate import SamplingParams
 from flexdraft.loadtest import _level, prompts_of, rounds, summarize
 from flexdraft.runner import load_engine
