@@ -167,15 +167,16 @@ def test_decode_sweep_is_resumed_after_ctrl_c_and_exports_a_policy_generate_take
 def test_training_sweep_trains_a_drafter_per_trial_under_asha_and_resumes(ray_head, tiny_pipeline, tmp_path,
                                                                          mlflow_uri):
     """Two training trials (k = 1, 2) on the tiny pipeline's data, each a Ray Train run inside its Tune trial,
-    reporting validation tau as it trains; interrupted while the second runs, resumed; the measured best's
-    drafter goes into the policy file."""
+    reporting validation tau as it trains (calibration skipped: its Ray Train run is the same job's, tested in
+    test_jobs); interrupted while the second runs, resumed; the measured best's drafter goes into the policy
+    file."""
     _, raw, _ = tiny_pipeline
     (tmp_path / "pipeline.yaml").write_text(json.dumps({**raw, "workers": {"num_workers": 1}}))  # (start-up: halved)
     config = tmp_path / "training.yaml"
     config.write_text(yaml.safe_dump({
         "name": "tiny-training", "kind": "training", "pipeline": str(tmp_path / "pipeline.yaml"), "prompts": "validation",
         "space": {"k": [1, 2]}, "first": [{"k": 2}], "trials": 2, "time_budget_min": 15,
-        "trial_budget_min": 0.1, "calibration_budget_min": 0.05, "grace_steps": 5, "eval_every": 5,
+        "trial_budget_min": 0.1, "calibration_budget_min": 0, "grace_min": 0.05, "eval_every": 5,
         "objective": {"batch_sizes": [1, 2], "weights": [1, 1], "prompts": 2, "max_new_tokens": 8}}))
     home = tmp_path / "home"
     resumed = _interrupted_then_resumed(config, home, mlflow_uri)

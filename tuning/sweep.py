@@ -21,13 +21,14 @@ from ray import tune
 from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 
 from flexdraft import sweep as sw
+from flexdraft import sweep_record as rec
 from flexdraft.config import from_dict
 from flexdraft.errors import FlexDraftError
 from flexdraft.jobs import init_ray, run_distill, run_training
 from flexdraft.pipeline import PipelineConfig
 
 
-def _measure(cfg: sw.SweepConfig, measurer: sw.Measurer, policy, results: dict, run: sw.TrialRun, extra: dict):
+def _measure(cfg: sw.SweepConfig, measurer: sw.Measurer, policy, results: dict, run: rec.TrialRun, extra: dict):
     """Measure the policy at each batch size not measured yet; report (with a checkpoint of the results) after each."""
     identity = json.dumps(measurer.identity())
     for b in cfg.objective.batch_sizes:
@@ -53,26 +54,29 @@ def decode_trial(config: dict, sweep: dict, pipeline: dict, prompts: list, paren
     """One decode-time configuration over the sweep's drafter: its policy against AR at each batch size."""
     cfg = from_dict(sw.SweepConfig, sweep)
     params = config["params"]
-    with sw.TrialRun(parent, tune.get_context().get_trial_id(), params) as run:
+    with rec.TrialRun(parent, tune.get_context().get_trial_id(), params) as run:
         measurer = sw.Measurer(cfg, cfg.drafter, prompts, cfg.model)
         _measure(cfg, measurer, sw.trial_policy(params), _restored(tune.get_checkpoint()), run, {})
 
 
 def training_trial(config: dict, sweep: dict, pipeline: dict, prompts: list, parent: dict) -> None:
     """One drafter per trial: attention tuning as a Ray Train run inside the trial (its validation tau reaches Tune
-    through TuneReportCallback, for ASHA), calibration, then its throughput at the default decode settings. An
-    interrupted trial resumes: finished stages are reused, an unfinished one restarts from its checkpoint."""
+    through TuneReportCallback, for ASHA), calibration (unless its budget is 0), then its throughput at the default
+    decode settings. An interrupted trial resumes: finished stages are reused, an unfinished one restarts from
+    its checkpoint."""
     from ray.tune.integration.ray_train import TuneReportCallback
 
     cfg = from_dict(sw.SweepConfig, sweep)
     params, trial_id = config["params"], tune.get_context().get_trial_id()
     pipeline = sw.trial_pipeline(cfg, from_dict(PipelineConfig, pipeline), params, trial_id)
-    with sw.TrialRun(parent, trial_id, params) as run:
+    with rec.TrialRun(parent, trial_id, params) as run:
         results = _restored(tune.get_checkpoint())
+        calibrate = cfg.calibration_budget_min > 0
         if not results:
             run_training(pipeline, "attention", callbacks=[TuneReportCallback()])
-            run_training(pipeline, "calibration")
-        drafter = str(pipeline.drafter_dir("calibration"))
+            if calibrate:
+                run_training(pipeline, "calibration")
+        drafter = str(pipeline.drafter_dir("calibration" if calibrate else "attention"))
         measurer = sw.Measurer(cfg, drafter, prompts, pipeline.model)
         _measure(cfg, measurer, sw.trial_policy({}), results, run, {"drafter": drafter})
 
@@ -106,7 +110,7 @@ def run(cfg: sw.SweepConfig, prepared: sw.Prepared, resume: bool) -> dict:
     init_ray()
     if cfg.kind == "training":
         run_distill(prepared.pipeline)  # shared by every trial (reused when the base pipeline distilled it)
-    parent = sw.parent_run(cfg, root)
+    parent = rec.parent_run(cfg, root)
     trial = decode_trial if cfg.kind == "decode" else training_trial
     # decode trials time forwards on the cores they hold; a training trial's cores go to its Ray Train workers (it
     # holds memory alone: its model for the measurement after training)
@@ -122,8 +126,8 @@ def run(cfg: sw.SweepConfig, prepared: sw.Prepared, resume: bool) -> dict:
         tuner = tune.Tuner.restore(str(storage / cfg.name), trainable, resume_errored=True)
     else:
         scheduler = FIFOScheduler() if cfg.kind == "decode" else ASHAScheduler(
-            time_attr="step", metric="eval/bonus/tau", mode="max", max_t=prepared.pipeline.attention.steps,
-            grace_period=cfg.grace_steps, reduction_factor=2, stop_last_trials=False)  # (survivors: measured)
+            time_attr="time_total_s", metric="eval/bonus/tau", mode="max", max_t=60 * cfg.time_budget_min,
+            grace_period=60 * cfg.grace_min, reduction_factor=2, stop_last_trials=False)  # (survivors: measured)
         tuner = tune.Tuner(
             trainable,
             param_space={"params": tune.grid_search(sw.trial_points(cfg, prepared.defaults))},
@@ -144,7 +148,7 @@ def run(cfg: sw.SweepConfig, prepared: sw.Prepared, resume: bool) -> dict:
         print(f"sweep {cfg.name} interrupted: continue it with --resume", file=sys.stderr)
         sys.exit(130)
     trials, histories = _trials(grid)
-    return sw.finish(cfg, root, trials, histories, parent, time.time() - t0)
+    return rec.finish(cfg, root, trials, histories, parent, time.time() - t0)
 
 
 def main(argv: list[str] | None = None) -> None:

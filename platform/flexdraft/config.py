@@ -123,12 +123,16 @@ def from_dict(cls, data: dict | None, where: str = ""):
     return cls(**kwargs)
 
 
-def load_yaml(cls, path: str | Path):
-    path = Path(path)
+def read_yaml(path: str | Path, what: str = "config file"):
+    """The parsed YAML of `path`; a missing file or bad YAML is a FlexDraftError naming `what` and the path."""
+    path = Path(path).expanduser()
     if not path.is_file():
-        raise FlexDraftError(f"config file not found: {path}")
+        raise FlexDraftError(f"{what} not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text())
+        return yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
-        raise FlexDraftError(f"config file {path} is not valid YAML: {str(e).splitlines()[0]}") from None
-    return from_dict(cls, data)
+        raise FlexDraftError(f"{what} {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+
+
+def load_yaml(cls, path: str | Path):
+    return from_dict(cls, read_yaml(path))

@@ -12,13 +12,12 @@ refused. The machine it was measured on (device, dtype, threads, CPU) is recorde
 losslessly, only perhaps slower (a warning says so)."""
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import yaml
 
-from flexdraft.config import from_dict
+from flexdraft.config import from_dict, read_yaml
 from flexdraft.errors import FlexDraftError
 
 FORMAT = "flexdraft-policy/1"
@@ -121,7 +120,7 @@ def save_policy(policy: Policy, path: str | Path) -> Path:
     data = asdict(policy)
     data["bands"] = [asdict(b) for b in policy.bands]
     head = ("# FlexDraft decoding policy (flexdraft.policy_file): the step settings per live batch size, measured "
-            "for one\n# target + drafter on one machine. Use: flexdraft generate --policy FILE | harness `policy:` | "
+            "for one\n# target + drafter on one machine. Use: flexdraft generate --policy FILE | harness `policies:` | "
             "serve user_config.policy\n")
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(head + yaml.safe_dump(data, sort_keys=False))
@@ -130,13 +129,7 @@ def save_policy(policy: Policy, path: str | Path) -> Path:
 
 
 def load_policy(path: str | Path) -> Policy:
-    path = Path(path).expanduser()
-    if not path.is_file():
-        raise FlexDraftError(f"policy file not found: {path}")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise FlexDraftError(f"policy file {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+    data = read_yaml(path, "policy file")
     if not isinstance(data, dict):
         raise FlexDraftError(f"policy file {path}: expected a mapping")
     bands = data.get("bands")
@@ -146,7 +139,3 @@ def load_policy(path: str | Path) -> Policy:
     policy.bands = [from_dict(Band, b, f" {path}.bands[{i}]") for i, b in enumerate(bands)]
     policy.check(f"policy file {path}")
     return policy
-
-
-def band_fields() -> tuple[str, ...]:
-    return tuple(f.name for f in dataclasses.fields(Band) if f.name != "max_rows")

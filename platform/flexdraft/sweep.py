@@ -1,7 +1,8 @@
 """Sweeps (`flexdraft sweep`, tuning/sweep.py): the library side. The config and its search space, checked before
-any trial starts; what a trial measures (decoding throughput against AR, side by side, at each batch size, on
-prompts held apart from training and from the benchmark sets); the policy a sweep exports; its tables and plots.
-Ray Tune (trials, ASHA, resume) and the per-trial MLflow runs live in tuning/sweep.py.
+any trial starts; the trials' configurations; what a trial measures (decoding throughput against AR, side by
+side, at each batch size, on prompts held apart from training and from the benchmark sets); the policy a sweep
+exports. What a sweep records (MLflow runs, tables, plots, the policy files) is in `sweep_record`; Ray Tune
+(trials, ASHA, resume) in tuning/sweep.py.
 
 Two kinds of parameters, never mixed:
 * decode-time (`DECODE_PARAMS`): how the engine decodes with a given drafter. A decode sweep measures them over
@@ -58,16 +59,18 @@ class SweepConfig:
     # validation prompts: held-out = ShareGPT prompts past the pipeline's distill selection (in neither split, never
     # in a benchmark set); validation = the pipeline's distill validation split; or a JSONL prompts file
     prompts: str = "held-out"
-    space: dict = field(default_factory=dict)  # parameter -> list of values (each trial draws one of each)
+    space: dict = field(default_factory=dict)  # parameter -> list of values (the grid is tried in a seeded order)
     first: list[dict] = field(default_factory=lambda: [{}])  # configurations run first ({}: the defaults)
     trials: int = 24  # at most; the time budget usually ends a sweep first
     time_budget_min: float = 12.0  # the whole sweep's (Tune stops trials at it)
     trial_budget_min: float = 5.0  # training: attention-tuning minutes per trial (ASHA stops weak ones sooner)
-    calibration_budget_min: float = 1.0  # training: calibration minutes per trial
-    # training: validation tau every eval_every steps; ASHA compares trials at grace_steps, then at 2x, 4x, ... as
-    # many steps, and stops the worse half at each (comparing at equal steps: deeper drafters step slower)
-    eval_every: int = 50
-    grace_steps: int = 100
+    calibration_budget_min: float = 1.0  # training: calibration minutes per trial (0: none, the tuned drafter as is)
+    # training: validation tau every eval_every steps; ASHA compares the trials' latest tau after grace_min minutes
+    # of each trial (start-up included), then at 2x, 4x, ..., and stops the worse half each time: at equal time, as
+    # the trials' budgets are (a deeper drafter takes fewer, slower steps in them)
+    eval_every: int = 25
+    eval_sequences: int = 12  # validation sequences per evaluation (fewer than the pipeline's 40: evaluations are frequent)
+    grace_min: float = 3.0
     seed: int = 0
     device: str = "auto"
     dtype: str = "auto"
@@ -94,24 +97,24 @@ class SweepConfig:
                 raise FlexDraftError(f"space.{name}: unknown parameter (a {self.kind} sweep takes {', '.join(own)})")
             if not isinstance(values, list) or not values:
                 raise FlexDraftError(f"space.{name} must be a non-empty list of values, got {values!r}")
-            typ = own[name][0]
             for v in values:
-                if not (isinstance(v, typ) or (typ is float and isinstance(v, int))) or (typ is int and isinstance(v, bool)):
-                    raise FlexDraftError(f"space.{name}: {v!r} is not a {typ.__name__}")
+                _check_type(f"space.{name}", v, own[name][0])
         for point in self.first:
             unknown = sorted(set(point) - set(own))
             if unknown:
                 raise FlexDraftError(f"first: unknown parameter {unknown[0]} (a {self.kind} sweep takes {', '.join(own)})")
+            for name, v in point.items():
+                _check_type(f"first.{name}", v, own[name][0])
         o = self.objective
         if not o.batch_sizes or min(o.batch_sizes) < 1 or len(o.weights) != len(o.batch_sizes) or min(o.weights) < 0 \
                 or not sum(o.weights):
             raise FlexDraftError(f"objective: batch_sizes must be >= 1 with one weight >= 0 each (not all 0), got "
                                  f"{o.batch_sizes} and {o.weights}")
-        for key in ("trials", "max_concurrent_trials", "eval_every", "grace_steps"):
+        for key in ("trials", "max_concurrent_trials", "eval_every", "eval_sequences"):
             if getattr(self, key) < 1:
                 raise FlexDraftError(f"{key} must be >= 1, got {getattr(self, key)}")
-        if min(self.time_budget_min, self.trial_budget_min, self.calibration_budget_min) <= 0:
-            raise FlexDraftError("time budgets must be > 0 minutes")
+        if min(self.time_budget_min, self.trial_budget_min, self.grace_min) <= 0 or self.calibration_budget_min < 0:
+            raise FlexDraftError("time budgets and grace_min must be > 0 minutes (calibration_budget_min: >= 0)")
         self.check_values()
 
     def check_values(self) -> None:
@@ -146,6 +149,11 @@ class SweepConfig:
 
     def root(self) -> Path:
         return Path(self.output_dir).expanduser() if self.output_dir else data_dir() / "sweeps" / self.name
+
+
+def _check_type(where: str, value, typ: type) -> None:
+    if isinstance(value, bool) != (typ is bool) or not isinstance(value, (int, float) if typ is float else typ):
+        raise FlexDraftError(f"{where}: {value!r} is not a {typ.__name__}")
 
 
 def load_sweep_config(path: str | Path) -> SweepConfig:
@@ -282,7 +290,8 @@ def trial_pipeline(cfg: SweepConfig, base, params: dict, trial_id: str):
     """A training trial's pipeline: the base one with the trial's k, B, lr and entry layer, named after the
     trial, beside the base pipeline (so it shares its distilled data), its stages on the sweep's budgets."""
     drafter = {**asdict(base.drafter), **{k: params[k] for k in ("k", "block_size", "entry_layer") if k in params}}
-    attention = {**asdict(base.attention), "time_budget_min": cfg.trial_budget_min, "eval_every": cfg.eval_every}
+    attention = {**asdict(base.attention), "time_budget_min": cfg.trial_budget_min, "eval_every": cfg.eval_every,
+                 "eval_sequences": cfg.eval_sequences}
     if "lr" in params:
         attention["lr"] = params["lr"]
     calibration = {**asdict(base.calibration), "time_budget_min": cfg.calibration_budget_min}
@@ -293,64 +302,6 @@ def trial_pipeline(cfg: SweepConfig, base, params: dict, trial_id: str):
     return from_dict(PipelineConfig, {**asdict(base), "name": name, "output_dir": str(base.root.parent / name),
                                       "drafter": drafter, "attention": attention, "calibration": calibration,
                                       "time_budget_min": 0.0})
-
-
-# ------------------------------------------------------------------------------------------- MLflow
-
-def parent_run(cfg: SweepConfig, root: Path) -> dict:
-    """The sweep's MLflow run (created once; a resumed sweep reopens it) -> what trials need to nest theirs."""
-    from flexdraft.tracking import start_run, tracking_uri
-
-    file = root / "parent.mlflow-run"
-    run_id = file.read_text().strip() if file.is_file() else None
-    with start_run(cfg.mlflow_experiment, asdict(cfg), run_name=cfg.name, run_id=run_id) as run:
-        file.write_text(run.info.run_id)
-        experiment = run.info.experiment_id
-    runs = root / "trial-runs"
-    runs.mkdir(parents=True, exist_ok=True)
-    return {"uri": tracking_uri(), "experiment_id": experiment, "run_id": run.info.run_id, "runs_dir": str(runs)}
-
-
-class TrialRun:
-    """A trial's MLflow run, nested under the sweep's: created on the trial's first attempt with its params, and
-    reopened by the id kept in the sweep folder when a restored sweep runs the trial again (params never logged
-    twice, so never with other values)."""
-
-    def __init__(self, parent: dict, trial_id: str, params: dict):
-        from mlflow.entities import Param
-        from mlflow.tracking import MlflowClient
-
-        self.client = MlflowClient(parent["uri"])
-        file = Path(parent["runs_dir"]) / f"{trial_id}.mlflow-run"
-        if file.is_file():
-            self.run_id = file.read_text().strip()
-            self.client.update_run(self.run_id, status="RUNNING")
-            return
-        run = self.client.create_run(parent["experiment_id"], run_name=trial_id,
-                                     tags={"mlflow.parentRunId": parent["run_id"], "trial_id": trial_id})
-        self.run_id = run.info.run_id
-        self.client.log_batch(self.run_id, params=[Param(k, str(v)) for k, v in params.items()])
-        file.write_text(self.run_id)
-
-    @staticmethod
-    def existing(parent: dict, trial_id: str) -> str | None:
-        file = Path(parent["runs_dir"]) / f"{trial_id}.mlflow-run"
-        return file.read_text().strip() if file.is_file() else None
-
-    def log(self, metrics: dict[str, float], step: int = 0) -> None:
-        import time
-
-        from mlflow.entities import Metric
-
-        now = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()])
-
-    def __enter__(self) -> "TrialRun":
-        return self
-
-    def __exit__(self, kind, error, tb) -> None:
-        """FINISHED, or FAILED when the trial raised (KILLED when Tune stopped it: the process ends first)."""
-        self.client.set_terminated(self.run_id, "FAILED" if kind else "FINISHED")
 
 
 # ------------------------------------------------------------------------------------------- measuring
@@ -439,159 +390,3 @@ def flat_metrics(results: dict[int, dict], objective: Objective) -> dict[str, fl
         out["objective"] = objective.score({b: results[b]["speedup"] for b in objective.batch_sizes})
         out["tau"] = statistics.mean(results[b]["tau"] for b in objective.batch_sizes)
     return out
-
-
-# ------------------------------------------------------------------------------------------- reporting
-
-def results_table(trials: list[dict], cfg: SweepConfig) -> str:
-    """Markdown: one row per measured trial, best objective first."""
-    batches = cfg.objective.batch_sizes
-    names = sorted({k for t in trials for k in t["params"]}, key=list(DECODE_PARAMS | TRAINING_PARAMS).index)
-    head = ["trial", *names, *[f"x AR b{b}" for b in batches], "tau", "objective", "status"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for t in sorted(trials, key=lambda t: -t.get("objective", -1)):
-        r = t["results"]
-        cells = [t["trial_id"], *[_fmt(t["params"].get(n, "")) for n in names],
-                 *[f"{r[b]['speedup']:.2f}x" if b in r else "-" for b in batches],
-                 f"{t['tau']:.2f}" if "tau" in t else "-", f"{t['objective']:.3f}" if "objective" in t else "-",
-                 t.get("status", "")]
-        lines.append("| " + " | ".join(map(str, cells)) + " |")
-    return "\n".join(lines)
-
-
-def _fmt(v) -> str:
-    return f"{v:g}" if isinstance(v, float) else str(v)
-
-
-def plot(trials: list[dict], cfg: SweepConfig, out: Path, histories: dict[str, list[tuple[int, float]]]) -> list[Path]:
-    """decode: speed-up vs S per batch size (cost model on / off apart); training: objective vs k and validation
-    tau vs training steps per trial (histories: trial id -> [(step, tau)])."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    paths = []
-    done = [t for t in trials if "objective" in t]
-    batches = cfg.objective.batch_sizes
-    if cfg.kind == "decode" and done:
-        fig, axes = plt.subplots(1, len(batches), figsize=(4 * len(batches), 3.6), squeeze=False, sharey=True)
-        for ax, b in zip(axes[0], batches):
-            for on, marker in ((True, "o"), (False, "x")):
-                pts = [(decode_params(t["params"])["switch_batch"], t["results"][b]["speedup"]) for t in done
-                       if decode_params(t["params"])["cost_model"] == on]
-                if pts:
-                    ax.scatter(*zip(*pts), marker=marker, label="cost model" if on else "fixed threshold (S only)")
-            ax.axhline(1.0, color="grey", linewidth=0.8)
-            ax.set_title(f"batch {b}")
-            ax.set_xlabel("switch threshold S")
-        axes[0][0].set_ylabel("tokens/s over AR")
-        axes[0][-1].legend(fontsize=7)
-        fig.suptitle(f"Sweep {cfg.name}: throughput vs S, each trial")
-        fig.tight_layout()
-        paths.append(out / "throughput_vs_S.png")
-        fig.savefig(paths[-1], dpi=110)
-    if cfg.kind == "training" and done:
-        fig, ax = plt.subplots(figsize=(5.5, 3.6))
-        for b in batches:
-            pts = sorted((t["params"].get("k", 0), t["results"][b]["speedup"]) for t in done)
-            ax.plot(*zip(*pts), marker="o", linestyle="", label=f"batch {b}")
-        ax.axhline(1.0, color="grey", linewidth=0.8)
-        ax.set_xlabel("k (tuned layers)")
-        ax.set_ylabel("tokens/s over AR")
-        ax.set_title(f"Sweep {cfg.name}: throughput vs k")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        paths.append(out / "throughput_vs_k.png")
-        fig.savefig(paths[-1], dpi=110)
-    if histories:
-        fig, ax = plt.subplots(figsize=(5.5, 3.6))
-        for trial_id, pts in histories.items():
-            if pts:
-                ax.plot(*zip(*pts), marker=".", label=trial_id)
-        ax.set_xlabel("training step")
-        ax.set_ylabel("validation tau (bonus known)")
-        ax.set_title(f"Sweep {cfg.name}: tau vs training steps")
-        ax.legend(fontsize=6)
-        fig.tight_layout()
-        paths.append(out / "tau_vs_steps.png")
-        fig.savefig(paths[-1], dpi=110)
-    plt.close("all")
-    return paths
-
-
-def write_json(path: Path, data) -> Path:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1, default=str))
-    tmp.replace(path)
-    return path
-
-
-def finish(cfg: SweepConfig, root: Path, trials: list[dict], histories: dict, parent: dict, seconds: float) -> dict:
-    """After the trials: results.md / results.json, the policy files, plots, and all of it on the sweep's MLflow
-    run (and each training trial's tau history on its own) -> a summary (best trial, policy path)."""
-    from mlflow.entities import Metric
-    from mlflow.tracking import MlflowClient
-
-    from flexdraft.policy_file import save_policy
-    from flexdraft.tracking import hardware
-
-    client = MlflowClient(parent["uri"])
-    complete = [t for t in trials if "objective" in t]
-    batches = cfg.objective.batch_sizes
-    hw = hardware()
-    lines = [f"# Sweep {cfg.name} ({cfg.kind})", "",
-             f"* Machine: {hw.get('gpu') or hw['cpu']} ({hw['cpu_count']} CPUs); {len(trials)} trials, "
-             f"{len(complete)} measured at every batch size, in {seconds / 60:.1f} min (budget {cfg.time_budget_min:g} "
-             "min).",
-             f"* Objective: tokens/s over AR's, measured side by side (lockstep) at batch {batches} with weights "
-             f"{cfg.objective.weights}, on {max(cfg.objective.prompts, max(batches))} {cfg.prompts} prompts, "
-             f"{cfg.objective.max_new_tokens} new tokens, greedy.", "", results_table(trials, cfg), ""]
-    summary: dict = {"trials": len(trials), "measured": len(complete)}
-    if complete:
-        best = max(complete, key=lambda t: t["objective"])
-        identity = json.loads(best["identity"])
-        source = {"sweep": cfg.name, "kind": cfg.kind, "mlflow_run_id": parent["run_id"], "best_trial": best["trial_id"],
-                  "objective": best["objective"], "speedup": {b: best["results"][b]["speedup"] for b in batches}}
-        if cfg.kind == "decode":
-            policy = export_policy(complete, cfg.objective, identity, source)
-            fixed = [t for t in complete if not decode_params(t["params"])["cost_model"]]
-            costed = [t for t in complete if decode_params(t["params"])["cost_model"]]
-            if fixed and costed:
-                lines += ["**Fixed threshold (S only) against the cost model**: the best trial of each at each batch "
-                          "size", "", "| batch | fixed threshold | cost model | wins |", "|---|---|---|---|"]
-                for b in batches:
-                    f, c = (max(ts, key=lambda t: t["results"][b]["speedup"]) for ts in (fixed, costed))
-                    fs, cs = f["results"][b]["speedup"], c["results"][b]["speedup"]
-                    lines.append(f"| {b} | {fs:.2f}x ({f['trial_id']}) | {cs:.2f}x ({c['trial_id']}) | "
-                                 f"{'fixed' if fs > cs else 'cost model'} |")
-                lines.append("")
-                save_policy(export_policy(fixed, cfg.objective, identity, {**source, "only": "fixed threshold"}),
-                            root / "policy-fixed.yaml")
-        else:
-            policy = dataclasses.replace(trial_policy({}), source={**source, "drafter": best["drafter"]}, **identity)
-            lines += [f"Best drafter: `{best['drafter']}` (trial {best['trial_id']}), at the default decode settings.",
-                      ""]
-            summary["drafter"] = best["drafter"]
-        path = save_policy(policy, root / "policy.yaml")
-        lines += ["**Exported policy** (`policy.yaml`): each band takes the settings of the trial fastest at its "
-                  f"batch size; S = {policy.switch_batch}", "", policy.table(), "",
-                  f"Use it: `flexdraft generate --policy {path} ...`; the harness's `policies: {{tuned: {path}}}`; "
-                  f"Serve's `user_config.policy: {path}`."]
-        summary.update(best=best["trial_id"], objective=best["objective"], policy=str(path))
-        client.log_batch(parent["run_id"], metrics=[Metric(f"best/{k}", float(v), 0, 0) for k, v in
-                                                    {"objective": best["objective"],
-                                                     **{f"b{b}/speedup": best["results"][b]["speedup"]
-                                                        for b in batches}}.items()])
-    for trial_id, points in histories.items():
-        run_id = TrialRun.existing(parent, trial_id)
-        if run_id and points and not client.get_metric_history(run_id, "eval/bonus/tau"):
-            client.log_batch(run_id, metrics=[Metric("eval/bonus/tau", v, 0, step) for step, v in points])
-    (root / "results.md").write_text("\n".join(lines) + "\n")
-    write_json(root / "results.json", {"config": asdict(cfg), "trials": trials, "histories": histories,
-                                       "summary": summary})
-    for path in [*plot(trials, cfg, root, histories), root / "results.md", root / "results.json",
-                 *root.glob("policy*.yaml")]:
-        client.log_artifact(parent["run_id"], str(path))
-    client.set_terminated(parent["run_id"], "FINISHED")
-    return summary
