@@ -67,6 +67,7 @@ def training_trial(config: dict, sweep: dict, pipeline: dict, prompts: list, par
     from ray.tune.integration.ray_train import TuneReportCallback
 
     cfg = from_dict(sw.SweepConfig, sweep)
+    cfg.threads = cfg.threads or len(os.sched_getaffinity(0))  # (the trial holds no CPU: Ray's OMP_NUM_THREADS is 1)
     params, trial_id = config["params"], tune.get_context().get_trial_id()
     pipeline = sw.trial_pipeline(cfg, from_dict(PipelineConfig, pipeline), params, trial_id)
     with rec.TrialRun(parent, trial_id, params) as run:
