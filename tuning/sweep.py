@@ -17,6 +17,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+import ray
 from ray import tune
 from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 
@@ -55,6 +56,7 @@ def decode_trial(config: dict, sweep: dict, pipeline: dict, prompts: list, paren
     cfg = from_dict(sw.SweepConfig, sweep)
     params = config["params"]
     with rec.TrialRun(parent, tune.get_context().get_trial_id(), params) as run:
+        run.tag("ray_node", ray.get_runtime_context().get_node_id())
         measurer = sw.Measurer(cfg, cfg.drafter, prompts, cfg.model)
         _measure(cfg, measurer, sw.trial_policy(params), _restored(tune.get_checkpoint()), run, {})
 
@@ -71,6 +73,7 @@ def training_trial(config: dict, sweep: dict, pipeline: dict, prompts: list, par
     params, trial_id = config["params"], tune.get_context().get_trial_id()
     pipeline = sw.trial_pipeline(cfg, from_dict(PipelineConfig, pipeline), params, trial_id)
     with rec.TrialRun(parent, trial_id, params) as run:
+        run.tag("ray_node", ray.get_runtime_context().get_node_id())  # (its Ray Train workers: the runs' own tags)
         results = _restored(tune.get_checkpoint())
         calibrate = cfg.calibration_budget_min > 0
         if not results:
@@ -115,7 +118,14 @@ def run(cfg: sw.SweepConfig, prepared: sw.Prepared, resume: bool) -> dict:
     trial = decode_trial if cfg.kind == "decode" else training_trial
     # decode trials time forwards on the cores they hold; a training trial's cores go to its Ray Train workers (it
     # holds memory alone: its model for the measurement after training)
-    resources = {"CPU": cfg.threads or len(os.sched_getaffinity(0))} if cfg.kind == "decode" else {"memory": 2 ** 30}
+    # (threads 0: every CPU of the largest node; a trial that fits no node would wait for one forever)
+    most = int(max((n["Resources"].get("CPU", 0) for n in ray.nodes() if n["Alive"]), default=0))
+    cfg.threads = cfg.threads or most
+    if cfg.kind == "decode" and cfg.threads > most:
+        raise FlexDraftError(f"a decode trial takes {cfg.threads} CPUs (threads), but no node of the cluster has "
+                             f"more than {most}: set threads in the sweep config")
+    resources = {"memory": 2 ** 30} if cfg.kind == "training" else \
+        {"CPU": 1, "GPU": 1} if cfg.device.startswith("cuda") else {"CPU": cfg.threads}
     trainable = tune.with_resources(tune.with_parameters(trial, sweep=asdict(cfg), pipeline=asdict(prepared.pipeline),
                                                          prompts=prepared.prompts, parent=parent), resources)
     storage = root / "ray"

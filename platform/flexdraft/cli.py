@@ -194,6 +194,23 @@ def env_report(model: str) -> dict:
     }
 
 
+def cmd_cluster(args) -> None:
+    """A multi-node Ray cluster and an MLflow server on this machine (infra/local/cluster.yaml)."""
+    from flexdraft import cluster
+
+    cfg = cluster.load_cluster_config(args.config)
+    if args.action == "up":
+        cluster.up(cfg, say=lambda m: print(m, file=sys.stderr, flush=True))
+        print(cluster.format_status(cluster.status(cfg)))
+    elif args.action == "down":
+        cluster.down(cfg, args.node or None, force=args.force, say=lambda m: print(m, file=sys.stderr, flush=True))
+    elif args.action == "status":
+        st = cluster.status(cfg)
+        print(json.dumps(st, indent=2) if args.json else cluster.format_status(st))
+    else:
+        print("\n".join(f"export {k}={v}" for k, v in cluster.client_env(cfg).items()))
+
+
 def cmd_sweep(args) -> None:
     """tuning/sweep.py of this checkout, as its own process (Ray Tune ships its trial functions from there)."""
     import subprocess
@@ -234,6 +251,10 @@ def cmd_serve(args) -> None:
     cfg = yaml.safe_load(Path(args.config).read_text())
     app = cfg["applications"][0]
     app.setdefault("runtime_env", {})["working_dir"] = f"local://{REPO}"  # this checkout, on this machine
+    env_vars = app["runtime_env"].setdefault("env_vars", {})
+    for key in ("MLFLOW_TRACKING_URI", "FLEXDRAFT_HOME"):  # replicas on a cluster's nodes log and read as this shell
+        if key in os.environ:
+            env_vars.setdefault(key, os.environ[key])
     user = app["deployments"][0].setdefault("user_config", {})
     for key in ("model", "drafter", "store"):
         if getattr(args, key) is not None:
@@ -324,6 +345,15 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--drafter", help="decode sweeps: the drafter to sweep over (default: the config's)")
     w.add_argument("--resume", action="store_true", help="continue the interrupted sweep of this name")
     w.set_defaults(func=cmd_sweep)
+
+    c = sub.add_parser("cluster", help="a multi-node Ray cluster and an MLflow tracking server on this machine")
+    c.add_argument("action", choices=("up", "down", "status", "env"),
+                   help="up: start what is not running; down: end what up started; env: the client's exports")
+    c.add_argument("--config", default=str(REPO / "infra" / "local" / "cluster.yaml"), help="cluster YAML")
+    c.add_argument("--node", action="append", help="down: only this node (or mlflow); repeatable")
+    c.add_argument("--force", action="store_true", help="down: SIGKILL at once, as a machine failure would")
+    c.add_argument("--json", action="store_true", help="status as JSON")
+    c.set_defaults(func=cmd_cluster)
 
     e = sub.add_parser("env", help="what this machine can run fast and what `auto` resolves to (for bug reports)")
     e.add_argument("--model", default="smollm2", help="the model whose attention kernel choice to show")

@@ -261,6 +261,9 @@ def train_func(config: dict) -> None:
     if not train_rows:
         raise FlexDraftError(f"worker {rank} got no training sequence long enough for a block of {B}")
 
+    nodes = [ray.get_runtime_context().get_node_id()] * world  # the Ray node of each rank, this attempt
+    if world > 1:
+        torch.distributed.all_gather_object(nodes, nodes[0])
     mlflow = None
     if rank == 0:
         import mlflow
@@ -271,6 +274,9 @@ def train_func(config: dict) -> None:
             mlflow.log_params({"train_sequences_rank0": len(train_rows), "world_size": world,
                                "resolved_dtype": runtime.dtype_name()})
             log(stage, f"{world} workers on {device.type}, dtype {tc.dtype} -> {runtime.dtype_name()}")
+        # where each attempt ran (a restart after a node failure is one more attempt, from its checkpoint's step)
+        mlflow.set_tag(f"ray_nodes.from_step_{start}", ",".join(nodes))
+        log(stage, f"from step {start}: ranks on Ray nodes " + ", ".join(f"{r}:{n[:12]}" for r, n in enumerate(nodes)))
 
     def report(metrics: dict, step: int, save: bool) -> None:
         if mlflow is not None:

@@ -74,7 +74,7 @@ class SweepConfig:
     seed: int = 0
     device: str = "auto"
     dtype: str = "auto"
-    threads: int = 0  # decode measurements (0: $OMP_NUM_THREADS, else one per core)
+    threads: int = 0  # CPU threads of a measurement (0: every CPU of the largest node of the cluster)
     objective: Objective = field(default_factory=Objective)
     output_dir: str = ""  # "" = $FLEXDRAFT_HOME/sweeps/<name>
     mlflow_experiment: str = "flexdraft-sweeps"

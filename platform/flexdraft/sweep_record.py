@@ -62,6 +62,9 @@ class TrialRun:
         now = int(time.time() * 1000)
         self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()])
 
+    def tag(self, key: str, value: str) -> None:
+        self.client.set_tag(self.run_id, key, value)
+
     def __enter__(self) -> "TrialRun":
         return self
 
