@@ -233,8 +233,10 @@ def _port_taken(host: str, port: int) -> bool:
     return False
 
 
-def _get_json(url: str, timeout: float = 5.0):
-    with urllib.request.urlopen(url, timeout=timeout) as r:
+def _get_json(url: str, token: Path | None = None, timeout: float = 5.0):
+    """GET url -> its JSON; with `token` (a token file), as Ray's token authentication asks."""
+    headers = {"Authorization": f"Bearer {token.read_text().strip()}"} if token else {}
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout) as r:
         return json.loads(r.read())
 
 
@@ -272,7 +274,7 @@ def ray_nodes(cfg: ClusterConfig) -> list[dict]:
     dashboard does not answer."""
     url = f"http://{cfg.host}:{cfg.ray.dashboard_port}/api/v0/nodes?limit=1000&detail=1"
     try:
-        return _get_json(url)["data"]["result"]["result"]
+        return _get_json(url, State(cfg).token() if cfg.ray.auth == "token" else None)["data"]["result"]["result"]
     except (OSError, ValueError, KeyError):
         return []
 
