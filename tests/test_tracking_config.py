@@ -53,9 +53,9 @@ class Outer:
 
 def test_config_from_dict_nested_and_strict():
     """Nested sections fill their missing keys from the field's default (not the nested class's), an int for a
-    float field becomes a float (the shipped YAML then hashes to the embedded defaults' run keys: `make demo`
-    and `flexdraft pipeline --config configs/smollm2.yaml` share their results), and unknown keys or wrong
-    types name the key."""
+    float field becomes a float (the shipped YAML then hashes to the embedded defaults' run keys: `flexdraft
+    pipeline` with and without `--config configs/smollm2.yaml` share their results, which `make demo` then uses),
+    and unknown keys or wrong types name the key."""
     cfg = from_dict(Outer, {"name": "y", "inner": {"lr": 1, "layers": [1, 2]}})
     assert cfg.inner.lr == 1 and isinstance(cfg.inner.lr, float) and cfg.inner.layers == [1, 2]
     from flexdraft.jobs import run_key

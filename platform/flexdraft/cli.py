@@ -384,9 +384,9 @@ def build_parser() -> argparse.ArgumentParser:
     lt.add_argument("--output", help="results JSON (default: $FLEXDRAFT_HOME/loadtest/<dataset>-<time>.json)")
     lt.set_defaults(func=cmd_loadtest)
 
-    d = sub.add_parser("demo", help="the main job: distill, attention tuning, calibration, a quick benchmark")
-    d.add_argument("--config", help="pipeline YAML (default: the embedded defaults = configs/smollm2.yaml)")
-    d.add_argument("--bench-config", help="harness YAML (default: a short run of the main methods)")
+    d = sub.add_parser("demo", help="the tour: train a drafter on a demo budget, benchmark it, serve it (~20 min)")
+    d.add_argument("--config", help="pipeline YAML (default: configs/demo.yaml)")
+    d.add_argument("--bench-config", help="harness YAML (default: configs/bench/demo.yaml)")
     d.set_defaults(func=cmd_demo)
     return parser
 

@@ -199,20 +199,24 @@ def _spawn(state: State, name: str, cmd: list[str], env: dict, address: str) -> 
     return proc
 
 
-def _end(state: State, proc: Proc, force: bool, grace_s: float = 45.0) -> None:
-    """SIGTERM the session's leader (`ray start --block` drains its node, then ends its processes; mlflow ends its
-    workers); what is left of the session after `grace_s` is killed. force: SIGKILL the whole session at once, as
-    a machine failure would."""
-    if not force:
-        os.kill(proc.pid, signal.SIGTERM)
+def end_session(leader: int, sig: int | None = signal.SIGTERM, grace_s: float = 45.0) -> None:
+    """Send `sig` to the leader of a session we started (`ray start --block` drains its node and ends its processes,
+    `serve run` shuts its apps and Ray down on SIGINT), then SIGKILL what is left of the session after `grace_s`.
+    sig None: SIGKILL the whole session at once, as a machine failure would."""
+    if sig is not None and _start_time(leader):
+        os.kill(leader, sig)
         deadline = time.time() + grace_s
-        while time.time() < deadline and _session_pids(proc.pid):
+        while time.time() < deadline and _session_pids(leader):
             time.sleep(0.5)
-    for pid in _session_pids(proc.pid):
+    for pid in _session_pids(leader):
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def _end(state: State, proc: Proc, force: bool) -> None:
+    end_session(proc.pid, None if force else signal.SIGTERM)
     state.forget(proc.name)
 
 
