@@ -9,6 +9,8 @@ from flexdraft.errors import FlexDraftError
 
 
 def test_run_records_config_commit_and_hardware(mlflow_uri):
+    """A run holds its flattened config, the commit and the hardware; its experiment is of the kind MLflow's UI
+    opens on runs and metrics (not GenAI traces)."""
     import mlflow
 
     from flexdraft.tracking import start_run
@@ -21,6 +23,8 @@ def test_run_records_config_commit_and_hardware(mlflow_uri):
     tags = got.data.tags
     assert tags["git_commit"] != "" and tags["hw.cpu_count"].isdigit() and tags["hw.torch"].startswith("2.")
     assert "hw.cpu" in tags
+    exp = mlflow.MlflowClient(mlflow_uri).get_experiment(got.info.experiment_id)
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
 
 
 def test_processes_opening_a_new_store_at_once_all_get_it(tmp_path):

@@ -113,7 +113,7 @@ def run_ar_benchmark(cfg: ArBenchConfig) -> list[dict]:
     from flexdraft.tracking import start_run
 
     rows = []
-    with start_run("ar-benchmark", asdict(cfg)) as run:
+    with start_run("ar-benchmark", asdict(cfg), run_name=f"bench-ar-{'-'.join(cfg.dtypes)}") as run:
         for threads in cfg.threads:
             for dtype in cfg.dtypes:
                 runtime = RuntimeConfig(device=cfg.device, dtype=dtype, threads=threads)

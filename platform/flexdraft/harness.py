@@ -356,7 +356,8 @@ def run_harness(cfg: HarnessConfig) -> dict:
         data_dir() / "bench" / datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
     rows, cells = [], len(cfg.batch_sizes) * len(datasets)
-    with start_run(cfg.mlflow_experiment, {**asdict(cfg), "drafter_source": choice.source}) as run:
+    name = f"bench-{'-'.join(cfg.datasets)}-b{','.join(map(str, cfg.batch_sizes))}"
+    with start_run(cfg.mlflow_experiment, {**asdict(cfg), "drafter_source": choice.source}, run_name=name) as run:
         for bi, batch in enumerate(cfg.batch_sizes):
             engines = _engines(lm, choice, store, cfg, batch, max_len)
             for di, d in enumerate(datasets):

@@ -38,6 +38,11 @@ def ready_store(uri: str | None = None) -> str:
     return uri
 
 
+# MLflow 3's UI opens an experiment of this kind on its runs, metrics and artifacts (model training), not on the
+# traces and evaluations of GenAI apps
+KIND_TAG, KIND = "mlflow.experimentKind", "custom_model_development"
+
+
 def experiment_id(client, name: str) -> str:
     """The id of experiment `name`, created when missing (by whichever process gets there first); artifacts beside
     the default store, a tracking server's own artifact store otherwise."""
@@ -45,10 +50,12 @@ def experiment_id(client, name: str) -> str:
 
     exp = client.get_experiment_by_name(name)
     if exp is not None:
+        if exp.tags.get(KIND_TAG) != KIND:  # (made by an earlier FlexDraft)
+            client.set_experiment_tag(exp.experiment_id, KIND_TAG, KIND)
         return exp.experiment_id
     artifacts = None if os.environ.get("MLFLOW_TRACKING_URI") else (data_dir() / "mlartifacts").as_uri()
     try:
-        return client.create_experiment(name, artifact_location=artifacts)
+        return client.create_experiment(name, artifact_location=artifacts, tags={KIND_TAG: KIND})
     except MlflowException:  # created meanwhile by another process
         return client.get_experiment_by_name(name).experiment_id
 
