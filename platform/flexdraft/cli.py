@@ -399,6 +399,9 @@ def main(argv: list[str] | None = None) -> int:
     except FlexDraftError as e:
         print(f"flexdraft: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # what a command started is stopped by its own `finally`s first
+        print(f"flexdraft {args.command}: interrupted", file=sys.stderr)
+        return 130
     return 0
 
 
