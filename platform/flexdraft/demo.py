@@ -195,6 +195,9 @@ def run_demo(pipeline: PipelineConfig | None = None, bench: HarnessConfig | None
             f"tok/s: {r['speedup']:.2f}x ({r['errors'] + r['baseline']['errors']} errors)")
 
     stage(4, "summary")
+    say(summary_table(results) + "\n\nServed, streamed, adaptive against ar: " + ", ".join(
+        f"{r['speedup']:.2f}x at concurrency {c}" for c, r in load.items()) + f"; the drafter's validation tau "
+        f"{ev['eval/bonus/tau']:.2f}\n")
     say(f"done in {(time.perf_counter() - t_start) / 60:.1f} min ("
         + ", ".join(f"{k} {v / 60:.1f}" for k, v in times.items()) + ")\n"
         f"  drafter:    {cfg.drafter_dir('calibration')}\n"
