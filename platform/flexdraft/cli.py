@@ -261,6 +261,8 @@ def cmd_serve(args) -> None:
             user[key] = getattr(args, key)
     if args.mode:
         user.setdefault("engine", {})["mode"] = args.mode
+    if args.num_cpus is not None:  # e.g. 1 on a cluster of 1-CPU nodes (a replica larger than every node never starts)
+        app["deployments"][0].setdefault("ray_actor_options", {})["num_cpus"] = args.num_cpus
     from_dict(ServeConfig, user)
     cfg.setdefault("http_options", {}).update(host=args.host, port=args.port)
     path = data_dir() / "serve" / "config.yaml"
@@ -366,6 +368,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--drafter", help="override user_config.drafter (a folder, 'init', '' = the default pipeline's)")
     s.add_argument("--store", help="override user_config.store")
     s.add_argument("--mode", help="override user_config.engine.mode")
+    s.add_argument("--num-cpus", type=float, help="override each replica's ray_actor_options.num_cpus (its threads)")
     s.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
     s.add_argument("--port", type=int, default=8000)
     s.set_defaults(func=cmd_serve)
