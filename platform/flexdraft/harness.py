@@ -433,6 +433,13 @@ def _mismatched(r: dict) -> str:
     return "n/a (sampled)" if r["mismatched_rows"] is None else f"{r['mismatched_rows']}/{r['prompts']}"
 
 
+def save_figure(fig, path: Path) -> Path:
+    """A finished matplotlib figure as a PNG at `path` (the harness's and the sweeps' plots alike)."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
+
+
 def summary_table(results: dict) -> str:
     batches = results["config"]["batch_sizes"]
     return markdown("**Speed-up over our AR, mean over the datasets**", ["method"] + [f"batch {b}" for b in batches],
@@ -512,9 +519,7 @@ def plot(results: dict, out: Path) -> list[Path]:
     axes[0][0].set_ylabel("speed-up over our AR (tokens/s)")
     axes[0][-1].legend(fontsize=7)
     fig.suptitle(f"Speed-up vs batch size ({title})")
-    fig.tight_layout()
-    paths.append(out / "speedup_vs_batch.png")
-    fig.savefig(paths[-1], dpi=110)
+    paths.append(save_figure(fig, out / "speedup_vs_batch.png"))
 
     spec = [m for m in methods if speculative(m)]
     b1 = min(r["batch"] for r in rows)
@@ -528,9 +533,7 @@ def plot(results: dict, out: Path) -> list[Path]:
     ax.set_ylabel("share of steps")
     ax.set_title(f"Tokens per step, batch {b1}, all datasets")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    paths.append(out / "tau_hist.png")
-    fig.savefig(paths[-1], dpi=110)
+    paths.append(save_figure(fig, out / "tau_hist.png"))
 
     fig, ax = plt.subplots(figsize=(6, 3.8))
     for m in spec:
@@ -546,8 +549,6 @@ def plot(results: dict, out: Path) -> list[Path]:
     ax.set_ylim(0, 1)
     ax.set_title(f"Acceptance per position, batch {b1}, mean over datasets")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    paths.append(out / "acceptance.png")
-    fig.savefig(paths[-1], dpi=110)
+    paths.append(save_figure(fig, out / "acceptance.png"))
     plt.close("all")
     return paths

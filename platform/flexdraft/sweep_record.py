@@ -9,6 +9,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
+from flexdraft.harness import save_figure
 from flexdraft.sweep import DECODE_PARAMS, TRAINING_PARAMS, SweepConfig, decode_params, export_policy, trial_policy
 
 
@@ -120,9 +121,7 @@ def plot(trials: list[dict], cfg: SweepConfig, out: Path, histories: dict[str, l
         axes[0][0].set_ylabel("tokens/s over AR")
         axes[0][-1].legend(fontsize=7)
         fig.suptitle(f"Sweep {cfg.name}: throughput vs S, each trial")
-        fig.tight_layout()
-        paths.append(out / "throughput_vs_S.png")
-        fig.savefig(paths[-1], dpi=110)
+        paths.append(save_figure(fig, out / "throughput_vs_S.png"))
     if cfg.kind == "training" and done:
         fig, ax = plt.subplots(figsize=(5.5, 3.6))
         for b in batches:
@@ -133,9 +132,7 @@ def plot(trials: list[dict], cfg: SweepConfig, out: Path, histories: dict[str, l
         ax.set_ylabel("tokens/s over AR")
         ax.set_title(f"Sweep {cfg.name}: throughput vs k")
         ax.legend(fontsize=7)
-        fig.tight_layout()
-        paths.append(out / "throughput_vs_k.png")
-        fig.savefig(paths[-1], dpi=110)
+        paths.append(save_figure(fig, out / "throughput_vs_k.png"))
     if histories:
         fig, ax = plt.subplots(figsize=(5.5, 3.6))
         for trial_id, pts in histories.items():
@@ -145,9 +142,7 @@ def plot(trials: list[dict], cfg: SweepConfig, out: Path, histories: dict[str, l
         ax.set_ylabel("validation tau (bonus known)")
         ax.set_title(f"Sweep {cfg.name}: tau vs training steps")
         ax.legend(fontsize=6)
-        fig.tight_layout()
-        paths.append(out / "tau_vs_steps.png")
-        fig.savefig(paths[-1], dpi=110)
+        paths.append(save_figure(fig, out / "tau_vs_steps.png"))
     plt.close("all")
     return paths
 
