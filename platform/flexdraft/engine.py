@@ -123,6 +123,7 @@ class Engine:
                                     if self.trees else 1, dev)
         self.slots: list[_Request] = []  # request of cache row r
         self.waiting: deque[_Request] = deque()
+        self.admit_limit: int | None = None  # at most this many admissions a step (a server isolating a failure)
         self.finished: dict[int, _Request] = {}
         self._ids = itertools.count()
         self.planner = Planner(self.B, config.switch_batch, config.tree_nodes, self.trees, config.cost_model,
@@ -383,22 +384,42 @@ class Engine:
         return self.last_stats.forward_seconds[kind]
 
     def _admit(self) -> dict[int, list[int]]:
-        """Prefill waiting requests into free rows (longest first) -> {id: [their first token]}."""
+        """Prefill waiting requests into free rows (longest first) -> {id: [their next token]}. A request that
+        comes back from `recover` prefills its prompt and the tokens it had made, and goes on from there."""
         free = self.config.max_batch - len(self.slots)
-        if not free or not self.waiting:
+        if self.admit_limit is not None:
+            free = min(free, self.admit_limit)
+        if free <= 0 or not self.waiting:
             return {}
         new = [self.waiting.popleft() for _ in range(min(free, len(self.waiting)))]
-        new.sort(key=lambda r: -len(r.prompt))
+        new.sort(key=lambda r: -(len(r.prompt) + len(r.tokens)))
         n0 = len(self.slots)
+        self.slots.extend(new)  # rows first: a prefill that raises leaves them to `recover`, not lost
+        self.last_stats.admitted, self.last_stats.admitted_ids = len(new), [r.id for r in new]
         rows = torch.arange(n0, n0 + len(new), device=self.target.device)
         view = self.cache.rows(n0, n0 + len(new))
-        h = self._timed("prefill", lambda: prefill(self.target, view, [r.prompt for r in new]))
-        self.slots.extend(new)
+        h = self._timed("prefill", lambda: prefill(self.target, view, [r.prompt + r.tokens for r in new]))
         first = self._sample(self.target.logits(h), rows)  # [k]
         self.state.bonus[rows] = first
         self.state.ndrafts[rows] = 0
-        self.last_stats.admitted = len(new)
         return {req.id: self._emit(r, [tok]) for r, req, tok in zip(range(n0, n0 + len(new)), new, first.tolist())}
+
+    def recover(self) -> dict[int, list[int]]:
+        """After a step that raised: every request in a row goes back to the front of the waiting queue (one that
+        had finished, to `finished`) with the tokens it has made -> {id: those tokens}. Its next admission
+        prefills prompt + tokens, so it goes on where it stood; the failed step's cache writes, drafts and plans
+        are dropped. Greedy outputs are unchanged by this; sampled ones keep their generator's stream."""
+        back = list(self.slots)
+        self.slots.clear()
+        self.cache.lens.zero_()
+        self.state.ndrafts.zero_()
+        self.planner.forget_plans()
+        for req in reversed(back):
+            if req.finish_reason is None:
+                self.waiting.appendleft(req)
+            else:
+                self.finished[req.id] = req
+        return {req.id: list(req.tokens) for req in back}
 
     def _sample(self, logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """logits [r, V] of rows -> [r] tokens drawn with each row's own params and generator."""

@@ -1,6 +1,7 @@
 """Batched autoregressive generation over the static KV cache: the baseline every speed-up is measured against."""
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -10,16 +11,29 @@ from flexdraft.errors import FlexDraftError
 from flexdraft.models.transformer import KVCache, Transformer
 
 
+SAMPLING_EPS = 1e-5  # a temperature below this decodes greedily (as vLLM): logits / 1e-300 would be inf
+SEED_RANGE = (-(2 ** 63), 2 ** 64 - 1)  # what torch.Generator.manual_seed takes
+
+
 @dataclass
 class SamplingParams:
     max_new_tokens: int = 128
-    temperature: float = 0.0  # 0 = greedy
+    temperature: float = 0.0  # below SAMPLING_EPS = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
     seed: int | None = None
 
     def __post_init__(self):
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
+        def number(name, value, integer=False):
+            ok = isinstance(value, int) if integer else isinstance(value, (int, float)) and math.isfinite(value)
+            if not ok or isinstance(value, bool):
+                raise FlexDraftError(f"{name} must be {'an integer' if integer else 'a finite number'}, got {value!r}")
+
+        number("max_new_tokens", self.max_new_tokens, integer=True)
+        number("temperature", self.temperature)
+        number("top_p", self.top_p)
+        number("top_k", self.top_k, integer=True)
+        if self.max_new_tokens <= 0:
             raise FlexDraftError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
         if self.temperature < 0:
             raise FlexDraftError(f"temperature must be >= 0, got {self.temperature}")
@@ -27,10 +41,14 @@ class SamplingParams:
             raise FlexDraftError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise FlexDraftError(f"top_k must be >= 0, got {self.top_k}")
+        if self.seed is not None:
+            number("seed", self.seed, integer=True)
+            if not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+                raise FlexDraftError(f"seed must be between {SEED_RANGE[0]} and {SEED_RANGE[1]}, got {self.seed}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < SAMPLING_EPS
 
 
 def _vocab_chunks(x: torch.Tensor) -> torch.Tensor | None:

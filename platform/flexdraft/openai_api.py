@@ -1,17 +1,21 @@
-"""The OpenAI completions and chat-completions protocol over the engine: request validation with OpenAI-style
-errors that name the field, prompts from text, token ids or chat messages, incremental text with stop strings,
-and the response and stream-chunk bodies. Plain functions of dicts; serve/app.py puts them behind FastAPI."""
+"""The OpenAI completions and chat-completions protocol over the engine: validated request models
+(`openai_protocol`) to engine requests with OpenAI-style errors that name the field, prompts from text, token
+ids or chat messages, incremental detokenisation with stop strings, and the response and stream-chunk bodies.
+serve/app.py puts them behind FastAPI."""
 from __future__ import annotations
 
 import time
 import uuid
 from dataclasses import dataclass, field
 
+from pydantic import ValidationError
+
 from flexdraft.data import chat_ids
 from flexdraft.errors import FlexDraftError
 from flexdraft.generate import Generation, SamplingParams
+from flexdraft.openai_protocol import ChatCompletionRequest, CompletionRequest
 
-# fields OpenAI defines that FlexDraft does not serve: refused by name rather than silently ignored
+# fields OpenAI defines that FlexDraft does not serve: refused by name unless at their no-op value
 UNSUPPORTED = {
     "n": lambda v: v not in (None, 1), "best_of": lambda v: v not in (None, 1),
     "logprobs": lambda v: v not in (None, False, 0), "top_logprobs": lambda v: v not in (None, 0),
@@ -22,9 +26,7 @@ UNSUPPORTED = {
     "function_call": lambda v: v not in (None, "none"),
     "response_format": lambda v: v not in (None, {"type": "text"}),
 }
-KNOWN = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
-         "seed", "stop", "stream", "stream_options", "user", "return_token_ids", *UNSUPPORTED}
-ROLES = ("system", "user", "assistant")
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "body"}  # union branches and FastAPI's root in locs
 
 
 class APIError(Exception):
@@ -55,108 +57,118 @@ class Request:
     max_tokens_given: bool = True  # False: the server's default, shortened to the room the cache leaves
 
 
-def _number(body: dict, key: str, default, lo: float, hi: float, integer: bool = False):
-    value = body.get(key, default)
-    if value is None:
-        return default
-    ok = isinstance(value, int) if integer else isinstance(value, (int, float))
-    if not ok or isinstance(value, bool):
-        raise APIError(400, f"'{key}' must be {'an integer' if integer else 'a number'}, got {value!r}", key)
-    if not lo <= value <= hi:
-        raise APIError(400, f"'{key}' must be between {lo} and {hi}, got {value}", key)
-    return value
+def validation_error(errors: list[dict]) -> APIError:
+    """pydantic's (or FastAPI's) validation errors -> one OpenAI error naming the first bad field."""
+    e = errors[0]
+    loc = [x for x in e.get("loc", ()) if isinstance(x, int) or (x not in _TYPE_TAGS and x.isidentifier())]
+    if e.get("type") == "json_invalid":
+        return APIError(400, "the request body is not valid JSON")
+    if not loc:
+        return APIError(400, "the request body must be a JSON object with the request's fields")
+    param = str(loc[0])
+    if e.get("type") == "extra_forbidden" and len(loc) == 1:
+        return APIError(400, f"unknown field '{param}'", param)
+    where = param + "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in loc[1:])
+    return APIError(400, f"'{where}': {e.get('msg', 'invalid value')}", param)
+
+
+def validate_body(body, chat: bool) -> ChatCompletionRequest | CompletionRequest:
+    """A decoded JSON body -> the validated request model; APIError naming the field otherwise."""
+    try:
+        return (ChatCompletionRequest if chat else CompletionRequest).model_validate(body)
+    except ValidationError as e:
+        raise validation_error(e.errors(include_url=False, include_input=False)) from None
 
 
 def parse_request(body, chat: bool, served_model: str, tokenizer, max_tokens_limit: int,
                   default_max_tokens: int) -> Request:
     """The JSON body of POST /v1/completions (chat False) or /v1/chat/completions -> Request; APIError naming the
     field otherwise. max_tokens_limit: the most new tokens one request may ask for."""
-    if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object")
+    model = body if isinstance(body, (CompletionRequest, ChatCompletionRequest)) else validate_body(body, chat)
     for key, refused in UNSUPPORTED.items():
-        if key in body and refused(body[key]):
+        if refused(getattr(model, key, None)):
             raise APIError(400, f"'{key}' is not supported by this server", key, code="unsupported_parameter")
-    unknown = sorted(set(body) - KNOWN)
-    if unknown:
-        raise APIError(400, f"unknown field '{unknown[0]}'", unknown[0])
-    model = body.get("model", served_model)
-    if model != served_model:
-        raise APIError(404, f"the model '{model}' does not exist; this server serves '{served_model}'", "model",
+    name = model.model or served_model
+    if name != served_model:
+        raise APIError(404, f"the model '{name}' does not exist; this server serves '{served_model}'", "model",
                        code="model_not_found")
-    prompt_ids = _chat_prompt(body, tokenizer) if chat else _completion_prompt(body, tokenizer)
-    key = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
-    max_tokens = _number(body, key, default_max_tokens, 1, max_tokens_limit, integer=True)
-    top_k = _number(body, "top_k", 0, -1, 10 ** 9, integer=True)
-    seed = body.get("seed")
-    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
-        raise APIError(400, f"'seed' must be an integer, got {seed!r}", "seed")
-    params = SamplingParams(max_new_tokens=max_tokens, temperature=float(_number(body, "temperature", 1.0, 0, 2)),
-                            top_p=float(_number(body, "top_p", 1.0, 1e-9, 1)), top_k=max(top_k, 0), seed=seed)
-    stop = body.get("stop")
-    stop = [stop] if isinstance(stop, str) else stop or []
-    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
-        raise APIError(400, "'stop' must be a non-empty string or a list of up to 4 of them", "stop")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise APIError(400, f"'stream' must be a boolean, got {stream!r}", "stream")
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict) or set(options) - {"include_usage"}:
-        raise APIError(400, "'stream_options' takes only include_usage", "stream_options")
-    if options and not stream:
+    key = "max_completion_tokens" if chat and model.max_completion_tokens is not None else "max_tokens"
+    given = getattr(model, key)
+    if given is not None and given > max_tokens_limit:
+        raise APIError(400, f"'{key}' must be between 1 and {max_tokens_limit}, got {given}", key)
+    if model.stream_options is not None and not model.stream:
         raise APIError(400, "'stream_options' is only allowed with stream: true", "stream_options")
-    return Request(chat, model, prompt_ids, params, stream, bool(options.get("include_usage")), stop,
-                   bool(body.get("return_token_ids", False)),
-                   f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time()), body.get(key) is not None)
+    prompt_ids = _chat_prompt(model, tokenizer) if chat else _completion_prompt(model, tokenizer)
+    try:
+        params = SamplingParams(max_new_tokens=given or default_max_tokens,
+                                temperature=1.0 if model.temperature is None else float(model.temperature),
+                                top_p=1.0 if model.top_p is None else float(model.top_p),
+                                top_k=max(model.top_k or 0, 0), seed=model.seed)
+    except FlexDraftError as e:  # (the schema's bounds are the engine's: this is a second line of defence)
+        raise APIError(400, str(e)) from None
+    stop = [model.stop] if isinstance(model.stop, str) else list(model.stop or [])
+    return Request(chat, name, prompt_ids, params, model.stream,
+                   bool(model.stream_options and model.stream_options.include_usage), stop, model.return_token_ids,
+                   f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time()), given is not None)
 
 
-def _completion_prompt(body: dict, tokenizer) -> list[int]:
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+def _completion_prompt(model: CompletionRequest, tokenizer) -> list[int]:
+    prompt = model.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) > 1:
+            raise APIError(400, "'prompt' holds several prompts: send one per request", "prompt")
         prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str) and prompt:
+    if isinstance(prompt, str):
+        if not prompt:
+            raise APIError(400, "'prompt' must be a non-empty string or a non-empty list of token ids", "prompt")
         return list(tokenizer(prompt)["input_ids"])
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return prompt
-    if isinstance(prompt, list) and len(prompt) > 1:
-        raise APIError(400, "'prompt' holds several prompts: send one per request", "prompt")
-    raise APIError(400, "'prompt' must be a non-empty string or a non-empty list of token ids", "prompt")
+    return list(prompt)
 
 
-def _chat_prompt(body: dict, tokenizer) -> list[int]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise APIError(400, "'messages' must be a non-empty list", "messages")
-    clean = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise APIError(400, f"messages[{i}] needs a 'role' among {', '.join(ROLES)}", "messages")
-        content = m.get("content")
-        if isinstance(content, list):  # content parts: text only
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise APIError(400, f"messages[{i}].content: only text parts are supported", "messages")
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
-            raise APIError(400, f"messages[{i}].content must be a string", "messages")
-        clean.append({"role": m["role"], "content": content})
+def _chat_prompt(model: ChatCompletionRequest, tokenizer) -> list[int]:
+    clean = [{"role": m.role, "content": m.content if isinstance(m.content, str) else
+              "".join(part.text for part in m.content)} for m in model.messages]
     return chat_ids(tokenizer, clean)
 
 
 class TextStream:
     """Token ids in, text out as it becomes final: a partial UTF-8 character, or the start of a stop string, is
-    held back until the next tokens settle it. `stopped` once a stop string appears (the text ends before it)."""
+    held back until the next tokens settle it. `stopped` once a stop string appears (the text ends before it).
+
+    Incremental (as vLLM's detokenizer): each call decodes only the tokens since the last settled text plus a
+    few before them (so a tokenizer's leading-space rules see their context), not the whole output again."""
+
+    CONTEXT = 5  # tokens decoded before the new ones
 
     def __init__(self, tokenizer, stop: list[str]):
         self.tokenizer, self.stop = tokenizer, stop
         self.ids: list[int] = []
+        self.prefix = self.read = 0  # ids[prefix:read] were decoded last time as context; ids[:read] are text
+        self.text = ""  # the text of ids[:read]
         self.sent = 0  # characters handed out
         self.stopped = False
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _settle(self, final: bool) -> None:
+        """Append to `text` what the tokens since `read` add, unless it ends in a partial character."""
+        if self.read == len(self.ids):
+            return
+        before = self._decode(self.ids[self.prefix:self.read])
+        after = self._decode(self.ids[self.prefix:])
+        if len(after) > len(before) and (final or not after.endswith("\ufffd")):
+            self.text += after[len(before):]
+            self.prefix, self.read = max(len(self.ids) - self.CONTEXT, 0), len(self.ids)
+        elif final:
+            self.read = len(self.ids)
 
     def add(self, tokens: list[int], final: bool = False) -> str:
         if self.stopped:
             return ""
         self.ids += tokens
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        self._settle(final)
+        text = self.text
         cut = min((i for i in (text.find(s, max(self.sent - len(s) + 1, 0)) for s in self.stop) if i >= 0),
                   default=-1)
         if cut >= 0:
@@ -164,7 +176,7 @@ class TextStream:
         elif final:
             end = len(text)
         else:
-            end = len(text) - 1 if text.endswith("\ufffd") else len(text)
+            end = len(text)
             for s in self.stop:  # hold back a suffix that may grow into a stop string
                 for k in range(min(len(s) - 1, end - self.sent), 0, -1):
                     if text[:end].endswith(s[:k]):
