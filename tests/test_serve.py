@@ -15,6 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from conftest import ENV, METRICS_PORT, REPO
 from flexdraft.config import RuntimeConfig
@@ -26,6 +28,7 @@ SERVE = str(Path(sys.executable).parent / "serve")
 URL = "http://127.0.0.1:8000"
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+BODY_LIMIT = 1 << 16  # the tiny app's max_body_bytes
 
 
 def application(name: str, route: str, home: Path, model: Path, **deployment) -> dict:
@@ -41,6 +44,7 @@ def application(name: str, route: str, home: Path, model: Path, **deployment) ->
                             runtime={"device": "cpu", "dtype": "float32", "threads": 1}, mlflow_every_s=1)
     d["user_config"]["engine"].update(max_batch=8, max_len=256)
     d["autoscaling_config"].update(deployment.pop("autoscaling_config", {}))
+    d["user_config"].update(deployment.pop("user_config", {}))
     d.update(deployment)
     return app
 
@@ -62,7 +66,8 @@ def apps(ray_head, real_folder, tiny_smollm2, tmp_path_factory):
     home = root / "home"
     cfg = yaml.safe_load((REPO / "serve" / "config.yaml").read_text())
     cfg["applications"] = [
-        application("tiny", "/", home, tiny, autoscaling_config={"min_replicas": 1, "max_replicas": 1}),
+        application("tiny", "/", home, tiny, autoscaling_config={"min_replicas": 1, "max_replicas": 1},
+                    user_config={"max_body_bytes": BODY_LIMIT}),
         application("elastic", "/elastic", home, tiny, max_ongoing_requests=2, max_queued_requests=2,
                     autoscaling_config={"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1,
                                         "upscale_delay_s": 1, "downscale_delay_s": 2, "metrics_interval_s": 0.5,
@@ -71,6 +76,7 @@ def apps(ray_head, real_folder, tiny_smollm2, tmp_path_factory):
         application("real", "/real", home, real_folder, autoscaling_config={"min_replicas": 1, "max_replicas": 1}),
     ]
     cfg["applications"][1]["deployments"][0]["user_config"]["engine"].update(max_batch=2, max_len=512)
+    cfg["applications"][1]["runtime_env"]["env_vars"]["FLEXDRAFT_FAULT_INJECTION"] = "1"  # its loop is killed
     cfg["applications"][2]["deployments"][0]["user_config"]["engine"]["cost_model"] = False  # no profiling at start
     (root / "serve.yaml").write_text(yaml.safe_dump(cfg))
     subprocess.run([SERVE, "deploy", str(root / "serve.yaml"), "--address", ray_head], env=ENV, check=True,
@@ -173,8 +179,12 @@ def test_sixteen_concurrent_requests_succeed_in_shared_batches(app):
     ({"prompt": "hi", "n": 3}, AUTH, 400, "n"),
     ({"prompt": "hi"}, {"Authorization": "Bearer wrong"}, 401, None),
     ({"prompt": "hi"}, {}, 401, None),
+    (b"{not json", {}, 401, None),  # the key is checked before the body is read
+    (b"\xff\xfe not utf-8", AUTH, 400, None),
+    ({"prompt": "hi", "seed": 2 ** 70}, AUTH, 400, "seed"),
+    ({"prompt": "x" * BODY_LIMIT}, AUTH, 413, None),  # past the app's max_body_bytes
 ], ids=["malformed-json", "wrong-type", "unknown-model", "prompt-too-long", "too-many-tokens", "max-tokens-0",
-        "unsupported-n", "bad-key", "no-key"])
+        "unsupported-n", "bad-key", "no-key", "no-key-malformed", "not-utf8", "seed-overflow", "oversized"])
 def test_bad_requests_get_openai_errors_and_the_replica_keeps_serving(app, body, headers, status, param):
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     r = httpx.post(f"{URL}/v1/completions", content=content, timeout=30,
@@ -184,6 +194,15 @@ def test_bad_requests_get_openai_errors_and_the_replica_keeps_serving(app, body,
     assert error["param"] == param and error["message"] and r.headers["x-request-id"] == "req-42"
     ok = httpx.post(f"{URL}/v1/completions", headers=AUTH, timeout=60, json={"prompt": "hi", "max_tokens": 2})
     assert ok.status_code == 200 and ok.headers["x-request-id"]
+
+
+def test_every_v1_route_needs_the_key_and_the_openapi_document_is_the_real_schema(app):
+    assert httpx.get(f"{URL}/v1/models", timeout=10).status_code == 401
+    assert httpx.get(f"{URL}/v1/models", headers=AUTH, timeout=10).status_code == 200
+    schemas = httpx.get(f"{URL}/openapi.json", timeout=10).json()["components"]["schemas"]
+    temperature = schemas["CompletionRequest"]["properties"]["temperature"]["anyOf"][0]
+    assert (temperature["minimum"], temperature["maximum"]) == (0, 2)
+    assert schemas["ChatCompletionRequest"]["additionalProperties"] is False
 
 
 def test_a_client_that_disconnects_mid_stream_frees_its_row(app):
@@ -197,6 +216,81 @@ def test_a_client_that_disconnects_mid_stream_frees_its_row(app):
         time.sleep(0.2)
     state = health()
     assert state["aborted"] == before + 1 and state["running"] == 0
+
+
+def _json(children):
+    return st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=6), children, max_size=3)
+
+
+ANY = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12), _json, max_leaves=6)
+FIELDS = {  # OpenAI's fields with in-range, out-of-range and wrong-typed values
+    "max_tokens": st.integers(-2, 24) | st.integers() | ANY,
+    "temperature": st.sampled_from([0, 1e-300, 0.7, 1.0]) | st.floats() | ANY,
+    "top_p": st.floats(0, 1) | st.floats() | ANY,
+    "top_k": st.integers(-2, 50) | st.integers() | ANY,
+    "seed": st.integers() | ANY,
+    "stop": st.text(max_size=3) | st.lists(st.text(max_size=3), max_size=6) | ANY,
+    "stream": st.booleans() | ANY,
+    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}) | ANY,
+    "n": st.sampled_from([1, 2]) | ANY,
+    "model": st.sampled_from(["tiny", "gpt-4"]) | ANY,
+    "return_token_ids": st.booleans() | ANY,
+}
+PROMPT = st.text(max_size=40) | st.lists(st.integers(-3, 50_000), max_size=10) | ANY
+MESSAGES = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "robot"]),
+                                           "content": st.text(max_size=30) | ANY}), max_size=3) | ANY
+REQUESTS = st.one_of(
+    st.tuples(st.just("/v1/completions"), st.fixed_dictionaries({"prompt": PROMPT}, optional=FIELDS)),
+    st.tuples(st.just("/v1/chat/completions"), st.fixed_dictionaries({"messages": MESSAGES}, optional=FIELDS)),
+    st.tuples(st.sampled_from(["/v1/completions", "/v1/chat/completions"]), st.binary(max_size=64)),
+    st.tuples(st.just("/v1/completions"), st.dictionaries(st.text(max_size=8), ANY, max_size=4)),
+)
+
+
+def test_generated_and_hostile_requests_and_vanishing_clients_leave_the_replica_as_it_was(app):
+    """Property-based, against the running app: whatever hypothesis sends (valid, out of range, wrong types, raw
+    bytes, unknown fields; NaN and Infinity as Python's JSON writes them) and whenever the client leaves, the
+    answer is 200 or an OpenAI 4xx error body within the timeout, never a 5xx; afterwards no row, waiting request
+    or stream is left, the engine never failed, and a greedy request decodes exactly as before. Then
+    `flexdraft loadtest --chaos`'s mix at 8 clients at once, with the same checks."""
+    from flexdraft.chaos import run_chaos, settle
+
+    probe = {"prompt": "The capital of France is", "max_tokens": 12, "temperature": 0, "return_token_ids": True}
+    before = httpx.post(f"{URL}/v1/completions", headers=AUTH, json=probe, timeout=60).json()["choices"][0]
+    failed_before = health()["failed_steps"]
+    seen = {}
+
+    @settings(max_examples=100, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(request=REQUESTS, leave=st.none() | st.none() | st.integers(0, 3))
+    def one(request, leave):
+        route, body = request
+        raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+        headers = {**AUTH, "content-type": "application/json"}
+        with httpx.stream("POST", f"{URL}{route}", content=raw, headers=headers, timeout=60) as r:
+            if leave is not None and r.status_code == 200:
+                for i, _ in enumerate(r.iter_lines()):  # leave after `leave` lines (0: at the headers)
+                    if i >= leave:
+                        break
+                seen["left"] = seen.get("left", 0) + 1
+                return
+            r.read()
+        seen[r.status_code] = seen.get(r.status_code, 0) + 1
+        assert r.status_code in (200, 400, 404, 413), (r.status_code, raw[:200], r.text[:300])
+        if r.status_code != 200:
+            assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+    one()
+    print("generated requests by outcome:", seen)
+    state = settle(URL, AUTH)
+    assert (state["running"], state["waiting"], state["streams"]) == (0, 0, 0) and state["alive"]
+    assert state["failed_steps"] == failed_before
+    after = httpx.post(f"{URL}/v1/completions", headers=AUTH, json=probe, timeout=60).json()["choices"][0]
+    assert after["token_ids"] == before["token_ids"]
+    report = run_chaos(URL, requests=48, concurrency=8, seed=1, api_key=KEY, timeout=60, max_seconds=60,
+                       body_limit=BODY_LIMIT)
+    print("chaos:", report.as_dict())
+    assert report.ok(), report.as_dict()
 
 
 def test_spec_decode_metrics_reach_prometheus(app):
@@ -360,6 +454,36 @@ def test_a_killed_replica_is_replaced_and_later_requests_succeed(apps):
     in_flight = [status for sent, done, status in seen if sent < 0 < done]
     after = [status for sent, done, status in seen if sent > 0]
     assert len(in_flight) == 2 and after and after[-1] == 200
+
+
+def test_a_replica_whose_engine_loop_died_is_replaced_and_serves_again(apps):
+    """The test-only fault hook ends `elastic`'s engine loop as a bug would: /health answers 503 and a request
+    gets 503 at once (nobody hangs); Serve's health check fails, the replica is replaced, and the new one serves."""
+    from ray import serve
+
+    url = f"{URL}/elastic"
+    _wait_replicas("elastic", 1, 120, [])
+    before = httpx.get(f"{url}/health", timeout=10).json()["replica"]
+    killed_at = time.time()
+    serve.get_app_handle("elastic").inject_fault.remote("loop").result(timeout_s=30)
+    dead = httpx.get(f"{url}/health", timeout=10)
+    refused = httpx.post(f"{url}/v1/completions", headers=AUTH, timeout=30, json={"prompt": "hi", "max_tokens": 4})
+    assert dead.status_code == 503 and dead.json()["alive"] is False
+    assert refused.status_code == 503 and "loop died" in refused.json()["error"]["message"]
+    states = []
+    while time.time() < killed_at + 240:
+        try:
+            r = httpx.get(f"{url}/health", timeout=10)
+            states.append((round(time.time() - killed_at, 1), r.status_code, r.json().get("replica")))
+            if r.status_code == 200 and r.json()["replica"] != before:
+                break
+        except httpx.HTTPError as e:
+            states.append((round(time.time() - killed_at, 1), type(e).__name__, None))
+        time.sleep(0.5)
+    print(f"engine loop killed; /health over time (s, status, replica): {states[::4] + states[-1:]}")
+    assert states[-1][1] == 200 and states[-1][2] != before, states
+    ok = httpx.post(f"{url}/v1/completions", headers=AUTH, timeout=60, json={"prompt": "hi", "max_tokens": 4})
+    assert ok.status_code == 200
 
 
 @pytest.mark.real_model

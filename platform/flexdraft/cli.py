@@ -246,16 +246,20 @@ def cmd_serve(args) -> None:
     import yaml
 
     from flexdraft.config import data_dir, from_dict
-    from flexdraft.serving import ServeConfig
+    from flexdraft.serving import ServeConfig, check_exposure
 
     cfg = yaml.safe_load(Path(args.config).read_text())
     app = cfg["applications"][0]
     app.setdefault("runtime_env", {})["working_dir"] = f"local://{REPO}"  # this checkout, on this machine
     env_vars = app["runtime_env"].setdefault("env_vars", {})
-    for key in ("MLFLOW_TRACKING_URI", "FLEXDRAFT_HOME"):  # replicas on a cluster's nodes log and read as this shell
+    user = app["deployments"][0].setdefault("user_config", {})
+    key_env = user.get("api_key_env", "FLEXDRAFT_API_KEY")
+    # replicas on a cluster's nodes log, read and authenticate as this shell
+    for key in ("MLFLOW_TRACKING_URI", "FLEXDRAFT_HOME", key_env):
         if key in os.environ:
             env_vars.setdefault(key, os.environ[key])
-    user = app["deployments"][0].setdefault("user_config", {})
+    if args.insecure:
+        user["insecure"] = True
     for key in ("model", "drafter", "store"):
         if getattr(args, key) is not None:
             user[key] = getattr(args, key)
@@ -263,7 +267,7 @@ def cmd_serve(args) -> None:
         user.setdefault("engine", {})["mode"] = args.mode
     if args.num_cpus is not None:  # e.g. 1 on a cluster of 1-CPU nodes (a replica larger than every node never starts)
         app["deployments"][0].setdefault("ray_actor_options", {})["num_cpus"] = args.num_cpus
-    from_dict(ServeConfig, user)
+    check_exposure(from_dict(ServeConfig, user), args.host, {**os.environ, **env_vars})  # fail closed, before Ray
     cfg.setdefault("http_options", {}).update(host=args.host, port=args.port)
     path = data_dir() / "serve" / "config.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -283,9 +287,23 @@ def cmd_loadtest(args) -> None:
     from flexdraft.config import data_dir
     from flexdraft.loadtest import run_loadtest
 
+    api_key = args.api_key or os.environ.get("FLEXDRAFT_API_KEY")
+    if args.chaos:
+        from flexdraft.chaos import run_chaos, summary
+
+        report = run_chaos(args.url, args.requests, max(args.concurrency), args.seed, api_key,
+                           max_seconds=args.max_seconds, body_limit=args.body_limit, dataset=args.dataset)
+        print(summary(report))
+        output = Path(args.output or data_dir() / "loadtest" / f"chaos-{int(time.time())}.json")
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(json.dumps(report.as_dict(), indent=1))
+        print(f"[chaos] report in {output}", file=sys.stderr)
+        if not report.ok():
+            raise FlexDraftError("the endpoint did not hold under chaos (see the table above)")
+        return
     output = args.output or data_dir() / "loadtest" / f"{args.dataset}-{int(time.time())}.json"
     run_loadtest(args.url, args.dataset, args.concurrency, args.requests, stream=args.stream,
-                 api_key=args.api_key or os.environ.get("FLEXDRAFT_API_KEY"), max_tokens=args.max_tokens,
+                 api_key=api_key, max_tokens=args.max_tokens,
                  output=output, model=args.model, baseline=args.baseline)
 
 
@@ -371,6 +389,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--num-cpus", type=float, help="override each replica's ray_actor_options.num_cpus (its threads)")
     s.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
     s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--insecure", action="store_true", help="allow a non-loopback --host without an API key "
+                   "($FLEXDRAFT_API_KEY); refused otherwise")
     s.set_defaults(func=cmd_serve)
 
     lt = sub.add_parser("loadtest", help="concurrent OpenAI-API requests against a local endpoint: tok/s, latencies")
@@ -385,6 +405,12 @@ def build_parser() -> argparse.ArgumentParser:
     lt.add_argument("--baseline", metavar="URL", help="a second endpoint measured beside --url at every level (e.g. "
                     "the same app with mode ar): tok/s ratio per level")
     lt.add_argument("--output", help="results JSON (default: $FLEXDRAFT_HOME/loadtest/<dataset>-<time>.json)")
+    lt.add_argument("--chaos", action="store_true", help="hostile traffic instead (out-of-range, wrong types, "
+                    "malformed and oversized bodies, clients that leave): --requests of them at the largest "
+                    "--concurrency; checks the replica is unharmed (exit 2 if not)")
+    lt.add_argument("--seed", type=int, default=0, help="--chaos: the seed of its request mix")
+    lt.add_argument("--max-seconds", type=float, default=300, help="--chaos: stop sending after this long")
+    lt.add_argument("--body-limit", type=int, default=1 << 20, help="--chaos: the server's max_body_bytes")
     lt.set_defaults(func=cmd_loadtest)
 
     d = sub.add_parser("demo", help="the tour: train a drafter on a demo budget, benchmark it, serve it (~20 min)")

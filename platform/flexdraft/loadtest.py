@@ -138,7 +138,7 @@ def table(results: dict[int, dict]) -> str:
     return "\n".join(lines)
 
 
-def _check_url(url: str) -> str:
+def check_url(url: str) -> str:
     """-> the endpoint's base (without /v1); refuses anything but this machine."""
     parsed = urllib.parse.urlparse(url)
     if parsed.scheme not in ("http", "https") or parsed.hostname not in LOOPBACK:
@@ -162,8 +162,8 @@ def run_loadtest(url: str, dataset: str, concurrency: list[int], requests: int, 
     """Each concurrency level in turn, `requests` requests each (the same prompts in the same order). baseline: a
     second endpoint (e.g. the same deployment with `mode: ar`) sent the same requests at every level, the two
     taking turns in rounds (`rounds`); each level's result then holds it and `speedup` (tok/s ratio)."""
-    base = _check_url(url)
-    other = _check_url(baseline) if baseline else None
+    base = check_url(url)
+    other = check_url(baseline) if baseline else None
     if other == base:
         raise FlexDraftError(f"the baseline is the endpoint under test ({url}): give another, e.g. the app in mode ar")
     if requests < 1 or not concurrency or min(concurrency) < 1 or max_tokens < 1:
