@@ -224,3 +224,50 @@ def test_env_vars_volumes_and_services_agree():
             assert env["MLFLOW_TRACKING_URI"] == f"http://{service['metadata']['name']}:{service['spec']['ports'][0]['port']}"
             mounts = {m["mountPath"] for c in containers(d) for m in c["volumeMounts"]}
             assert any(env["FLEXDRAFT_HOME"].startswith(m + "/") for m in mounts)
+
+
+def test_deployments_are_hardened_as_a_platform_team_expects():
+    """Every Ray cluster uses Ray's token authentication from a Secret; every pod runs as a non-root user with
+    seccomp RuntimeDefault and every container without privilege escalation or capabilities; the Serve app,
+    which binds 0.0.0.0, cannot start without its API key Secret; Ray's control-plane ports answer only Ray
+    pods and the KubeRay operator; the MLflow server forks no job consumers; the image is built in two stages,
+    compilers only in the first, and runs as uid 1000."""
+    for name in WORKLOADS:
+        doc = workload(name)
+        cluster = doc["spec"].get("rayClusterSpec") or doc["spec"].get("rayClusterConfig") or doc["spec"]
+        assert cluster["authOptions"] == {"mode": "token", "secretName": "flexdraft-ray-token"}, name
+    for d in ALL:
+        if d["kind"] not in (*KINDS, "Deployment"):
+            continue
+        for t in pod_templates(d):
+            pod = t["spec"]["securityContext"]
+            assert pod["runAsNonRoot"] and pod["runAsUser"] == 1000 and pod["seccompProfile"]["type"] == "RuntimeDefault"
+            for c in t["spec"]["containers"]:
+                sc = c["securityContext"]
+                assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"]["drop"] == ["ALL"]
+    service = workload("rayservice.yaml")
+    keys = [e for c in containers(service) for e in c["env"] if e["name"] == "FLEXDRAFT_API_KEY"]
+    assert keys and all(not e["valueFrom"]["secretKeyRef"].get("optional", False) for e in keys)
+    assert serve_app(service)["http_options"]["host"] == "0.0.0.0"
+
+    ray_policy, = [d for d in docs("networkpolicy.yaml") if d["metadata"]["name"] == "flexdraft-ray"]
+    assert ray_policy["spec"]["podSelector"]["matchLabels"] == {"ray.io/is-ray-node": "yes"}
+    for rule in ray_policy["spec"]["ingress"]:
+        ports = {p["port"] for p in rule.get("ports", [])}
+        open_to_any_pod = any(peer.get("podSelector") == {} and "namespaceSelector" not in peer
+                              for peer in rule["from"])
+        if not ports:  # every port: Ray pods and the pods KubeRay makes, nobody else
+            assert all(peer["podSelector"]["matchLabels"] for peer in rule["from"])
+            assert all("namespaceSelector" not in peer for peer in rule["from"])
+        assert not ({6379, 8265, 10001} & ports and open_to_any_pod)
+        if open_to_any_pod:
+            assert ports == {8000}
+
+    mlflow, = [d for d in docs("mlflow.yaml") if d["kind"] == "Deployment"]
+    env = {e["name"]: e["value"] for e in containers(mlflow)[0]["env"]}
+    assert env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] == "false"
+    dockerfile = (REPO / "infra" / "docker" / "Dockerfile").read_text()
+    build, final = dockerfile.split("\nFROM ")[1:]
+    assert build.startswith("python:3.11-slim AS build") and "build-essential" in build
+    assert "build-essential" not in final and "COPY --from=build" in final
+    assert re.search(r"^USER 1000:1000$", final, re.M)

@@ -63,6 +63,7 @@ class MlflowServerConfig:
     backend_store_uri: str = ""  # "" = sqlite:///<state_dir>/mlflow/mlflow.db; any MLflow store URI (postgresql://...)
     artifacts_destination: str = ""  # "" = <state_dir>/mlflow/artifacts; clients reach it through the server
     workers: int = 1
+    app_name: str = ""  # "basic-auth": MLflow's users and permissions (a shared server; docs/scaling.md)
 
 
 @dataclass
@@ -291,7 +292,11 @@ def _start_mlflow(cfg: ClusterConfig, state: State) -> Proc:
     artifacts = m.artifacts_destination or str(state.root / "mlflow" / "artifacts")
     cmd = [str(BIN / "mlflow"), "server", "--host", cfg.host, "--port", str(m.port), "--workers", str(m.workers),
            "--backend-store-uri", store, "--artifacts-destination", artifacts, "--serve-artifacts"]
-    proc = _spawn(state, "mlflow", cmd, {**os.environ, "MLFLOW_TRACKING_URI": ""}, mlflow_uri(cfg))
+    if m.app_name:
+        cmd += ["--app-name", m.app_name]
+    # no job consumers: MLflow 3's server otherwise forks several for GenAI features FlexDraft does not use
+    env = {**os.environ, "MLFLOW_TRACKING_URI": "", "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    proc = _spawn(state, "mlflow", cmd, env, mlflow_uri(cfg))
     deadline = time.time() + 180
     while time.time() < deadline:
         try:
