@@ -27,7 +27,7 @@ OUT_OF_RANGE = [("max_tokens", 10 ** 7), ("max_tokens", 0), ("temperature", 5.0)
                 ("prompt", [1, 10 ** 9]), ("prompt", [-1]), ("prompt", list(range(5000))), ("stop", ["x"] * 9),
                 ("n", 4), ("logprobs", 5), ("model", "gpt-4o")]
 WRONG_TYPE = [("max_tokens", "16"), ("max_tokens", 1.5), ("max_tokens", True), ("temperature", "hot"),
-              ("temperature", None), ("top_p", [0.5]), ("seed", "42"), ("stream", "yes"), ("stop", 7),
+              ("temperature", [0.5]), ("top_p", [0.5]), ("seed", "42"), ("stream", "yes"), ("stop", 7),
               ("prompt", {"text": "hi"}), ("prompt", 42), ("prompt", [["a"]]), ("messages", "hi"),
               ("messages", [{"role": "user", "content": 5}]), ("stream_options", True), ("colour", "red")]
 MALFORMED = [b"{", b"", b"null", b"[]", b'{"prompt": "hi", "max_tokens": 4', b"\xff\xfe\xfa not utf-8",
