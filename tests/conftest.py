@@ -44,6 +44,12 @@ def make_tiny_hf(arch: str, folder, seed: int = 0, **overrides):
     return hf
 
 
+def ragged_prompts(n: int, seed: int = 0, vocab: int = 96) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (int(torch.randint(2, 24, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
 @pytest.fixture(scope="session")
 def real_folder():
     from flexdraft.models.loading import BUNDLED, resolve_source
@@ -66,7 +72,7 @@ def tiny_smollm2(real_folder, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def real_lm(real_folder):
-    from flexdraft.config import RuntimeConfig
+    from flexdraft.core.config import RuntimeConfig
     from flexdraft.models.loading import load_model
 
     return load_model(real_folder, RuntimeConfig(device="cpu", dtype="float32", threads=0))  # 0: see `threads`
@@ -81,7 +87,7 @@ def real_hf(real_folder):
 
 @pytest.fixture(scope="session")
 def gsm8k_prompts(real_lm):
-    from flexdraft.data import chat_ids, gsm8k_questions
+    from flexdraft.core.data import chat_ids, gsm8k_questions
 
     return [chat_ids(real_lm.tokenizer, [{"role": "user", "content": q}]) for q in gsm8k_questions(8)]
 
@@ -118,9 +124,9 @@ def tiny_pipeline(tmp_path_factory):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from flexdraft.config import from_dict
-    from flexdraft.distill import write_manifest
-    from flexdraft.pipeline import PipelineConfig
+    from flexdraft.core.config import from_dict
+    from flexdraft.training.distill import write_manifest
+    from flexdraft.drafter.recipe import PipelineConfig
 
     root = tmp_path_factory.mktemp("pipeline")
     make_tiny_hf("llama", root / "model")

@@ -21,12 +21,12 @@ import ray
 from ray import tune
 from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 
-from flexdraft import sweep as sw
-from flexdraft import sweep_record as rec
-from flexdraft.config import from_dict
-from flexdraft.errors import FlexDraftError
-from flexdraft.jobs import init_ray, run_distill, run_training
-from flexdraft.pipeline import PipelineConfig
+from flexdraft.tuning import sweep as sw
+from flexdraft.tuning import record as rec
+from flexdraft.core.config import from_dict
+from flexdraft.core.errors import FlexDraftError
+from flexdraft.training.jobs import init_ray, run_distill, run_training
+from flexdraft.drafter.recipe import PipelineConfig
 
 
 def _measure(cfg: sw.SweepConfig, measurer: sw.Measurer, policy, results: dict, run: rec.TrialRun, extra: dict):

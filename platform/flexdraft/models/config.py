@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from flexdraft.errors import FlexDraftError
+from flexdraft.core.errors import FlexDraftError
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
 SUPPORTED_ROPE = ("default", "linear", "llama3")

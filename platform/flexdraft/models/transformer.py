@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from flexdraft.hardware import probe
+from flexdraft.core.hardware import probe
 from flexdraft.models.config import ModelArgs
 
 

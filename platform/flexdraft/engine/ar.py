@@ -1,0 +1,116 @@
+"""Batched autoregressive generation over the static KV cache: the baseline every speed-up is measured against,
+and the prefill every decoder starts from."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from flexdraft.core.errors import FlexDraftError
+from flexdraft.models.transformer import KVCache, Transformer
+from flexdraft.speculative.sampling import Generation, SamplingParams, make_generator, sample
+
+
+def check_prompts(prompts: list[list[int]], context: int, vocab_size: int) -> None:
+    if not prompts:
+        raise FlexDraftError("no prompts given")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise FlexDraftError(f"prompt {i} is empty")
+        bad = [t for t in p if not 0 <= t < vocab_size]
+        if bad:
+            raise FlexDraftError(f"prompt {i} has token id {bad[0]} outside the vocabulary of {vocab_size}")
+        if len(p) >= context:
+            raise FlexDraftError(f"prompt {i} has {len(p)} tokens: longer than the model's context of {context}")
+
+
+def length_groups(lens: list[int], max_padding: float = 0.1) -> list[tuple[int, int]]:
+    """Split lengths sorted in descending order into [start, end) runs whose padded size (first length x
+    count) exceeds their real token count by at most `max_padding`."""
+    groups, start, total = [], 0, 0
+    for i, n in enumerate(lens):
+        if i > start and lens[start] * (i - start + 1) > (1 + max_padding) * (total + n):
+            groups.append((start, i))
+            start, total = i, 0
+        total += n
+    groups.append((start, len(lens)))
+    return groups
+
+
+def prefill(model: Transformer, cache: KVCache, prompts: list[list[int]]) -> torch.Tensor:
+    """Prefill cache rows 0..len(prompts)-1 (prompts sorted longest first) and set their lengths; -> the
+    last prompt token's hidden state per row [b, d].
+
+    Groups of similar length (contiguous cache rows) go in one forward each, so little compute goes to
+    padding; pad slots lie beyond each row's length and are never attended to."""
+    device = model.device
+    lens = [len(p) for p in prompts]
+    h_last = torch.empty(len(prompts), model.args.dim, dtype=model.dtype, device=device)
+    for start, end in length_groups(lens):
+        T = lens[start]
+        tokens = torch.zeros(end - start, T, dtype=torch.long, device=device)
+        for r in range(start, end):
+            tokens[r - start, : lens[r]] = torch.tensor(prompts[r], device=device)
+        pos = torch.arange(T, device=device).expand(end - start, T)
+        h = model(tokens, pos, cache.rows(start, end), span=T)  # [g, T, d]
+        last = torch.tensor(lens[start:end], device=device) - 1
+        h_last[start:end] = h[torch.arange(end - start, device=device), last]
+    cache.lens[: len(prompts)] = torch.tensor(lens, device=device)
+    return h_last
+
+
+@torch.inference_mode()
+def generate(model: Transformer, prompts: list[list[int]], params: SamplingParams,
+             eos_token_ids=(), deadline: float | None = None) -> list[Generation]:
+    """Generate for a batch of prompts of different lengths, each row at its own position.
+
+    Rows that finish (EOS or max_new_tokens) are dropped from the cache, so later steps stop paying for them.
+    deadline (epoch seconds): decoding stops there, and rows still running end with finish_reason "time".
+    """
+    context = model.args.max_position_embeddings
+    check_prompts(prompts, context, model.args.vocab_size)
+    device = model.device
+    t0 = time.perf_counter()
+    B = len(prompts)
+    order = sorted(range(B), key=lambda i: -len(prompts[i]))  # longest first (see prefill)
+    lens = [len(prompts[i]) for i in order]
+    max_len = min(context, lens[0] + params.max_new_tokens)
+    cache = model.new_cache(B, max_len)
+    eos = torch.tensor(sorted(set(eos_token_ids)) or [-1], device=device)
+    generator = make_generator(params, device)
+
+    h_last = prefill(model, cache, [prompts[i] for i in order])
+    next_tok = sample(model.logits(h_last), params, generator)  # [B]
+
+    out = torch.zeros(B, params.max_new_tokens, dtype=torch.long, device=device)
+    n_out = torch.zeros(B, dtype=torch.long, device=device)
+    rows = torch.tensor(order, device=device)  # active cache row -> original prompt index
+    cut = torch.zeros(B, dtype=torch.bool, device=device)  # rows the deadline stopped
+    for step in range(params.max_new_tokens):
+        out[rows, step] = next_tok
+        n_out[rows] += 1
+        # a row stops at EOS, at max_new_tokens, or when its cache (the context) is full
+        done = torch.isin(next_tok, eos) | (step + 1 >= params.max_new_tokens) | (cache.lens + 1 >= max_len)
+        if bool(done.any()):
+            keep = (~done).nonzero().squeeze(-1)
+            if keep.numel() == 0:
+                break
+            rows, next_tok = rows[keep], next_tok[keep]
+            cache.keep_rows(keep)
+        if deadline is not None and time.time() >= deadline:
+            cut[rows] = True
+            break
+        pos = cache.lens[:, None]  # [b, 1]
+        h = model(next_tok[:, None], pos, cache)  # [b, 1, d]
+        cache.lens += 1
+        next_tok = sample(model.logits(h[:, 0]), params, generator)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = (time.perf_counter() - t0) / B
+    eos_set = set(eos.tolist())
+    results = []
+    for i in range(B):
+        ids = out[i, : n_out[i]].tolist()
+        reason = "eos" if ids and ids[-1] in eos_set else "time" if cut[i] else "length"
+        results.append(Generation(ids, reason, seconds, len(prompts[i])))
+    return results

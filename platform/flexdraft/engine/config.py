@@ -1,0 +1,92 @@
+"""The engine's configuration (`EngineConfig`: the mode, the policy knobs, the batch and cache sizes; also the
+flags of `flexdraft generate`) and what one step reports (`StepStats`)."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from flexdraft.drafter.model import Drafter
+from flexdraft.core.errors import FlexDraftError
+
+
+class Mode(str, enum.Enum):
+    """Decoding modes; a str, so configs and comparisons take the plain names."""
+    AR = "ar"
+    SEQUENTIAL = "sequential"
+    TREE = "tree"
+    PARALLEL = "parallel"
+    LOOKUP = "lookup"
+    ADAPTIVE = "adaptive"
+
+
+MODES = tuple(m.value for m in Mode)
+NO_DRAFTER = (Mode.AR.value, Mode.LOOKUP.value)  # the modes that run without a drafter
+
+
+def _knob(default, help_: str, flag: str = ""):
+    """A config field that is also a `flexdraft generate` flag (`flag`, default: --field-name), help included."""
+    return field(default=default, metadata={"help": help_, "flag": flag})
+
+
+@dataclass
+class EngineConfig:
+    mode: str = "adaptive"  # one of MODES
+    block_size: int = _knob(0, "drafts verified per step (0 = the drafter's block size; lookup alone: 8)")
+    switch_batch: int = _knob(4, "S: adaptive runs parallel mode at <= this many rows, sequential above")
+    top_m: int = _knob(0, "parallel: keep at most the m most probable branches per row (0 = no cap)")
+    rho: float = _knob(1.0, "parallel: keep the most probable branches until they cover this mass (1 = all)")
+    calibrate: bool = True  # parallel: correct the taken branch with the now-known bonus
+    cost_model: bool = True  # adaptive: per step, pick AR / sequential / tree / parallel and Bv by measured cost
+    tree_nodes: int = _knob(8, "tree (and adaptive): drafts verified per row as a token tree (0 = no trees)")
+    tree_width: int = 4  # a tree's depth-j nodes are among slot j's top tree_width drafts
+    # adaptive weighs a lookup step every step (with the cost model), mode lookup takes one whenever a row has a match
+    lookup: int = _knob(4, "prompt-lookup drafts from n-grams of up to this size (lookup, adaptive; 0 = none)")
+    max_batch: int = _knob(16, "rows decoded together (continuous batching); further requests wait",
+                           flag="--batch-size")
+    max_len: int = _knob(0, "cache slots per row (0: min(2048, context); see Engine.slots_needed)")
+
+    def check(self, drafter: Drafter | None, context: int) -> None:
+        if self.mode not in MODES:
+            raise FlexDraftError(f"engine mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.mode not in NO_DRAFTER and drafter is None:
+            raise FlexDraftError(f"mode {self.mode} needs a drafter (modes ar and lookup do not)")
+        if drafter is not None and not 0 <= self.block_size <= drafter.config.block_size:
+            raise FlexDraftError(f"block_size={self.block_size} must be at most the drafter's block size "
+                                 f"{drafter.config.block_size} (0 = the drafter's)")
+        if self.top_m < 0:
+            raise FlexDraftError(f"top_m must be >= 0 (0 = no cap), got {self.top_m}")
+        if not 0 < self.rho <= 1:
+            raise FlexDraftError(f"rho must be in (0, 1], got {self.rho}")
+        if self.tree_nodes < 0 or self.tree_width < 1:
+            raise FlexDraftError(f"tree_nodes must be >= 0 and tree_width >= 1, got {self.tree_nodes} and "
+                                 f"{self.tree_width}")
+        if self.mode == "tree" and not self.tree_nodes:
+            raise FlexDraftError("mode tree needs tree_nodes >= 1")
+        if self.block_size < 0:
+            raise FlexDraftError(f"block_size must be >= 0, got {self.block_size}")
+        if self.lookup < 0 or (self.mode == "lookup" and not self.lookup):
+            raise FlexDraftError(f"lookup (the longest n-gram matched) must be >= 0, and >= 1 for mode lookup, "
+                                 f"got {self.lookup}")
+        if self.switch_batch < 0:
+            raise FlexDraftError(f"switch_batch must be >= 0, got {self.switch_batch}")
+        if self.max_batch < 1:
+            raise FlexDraftError(f"max_batch must be >= 1, got {self.max_batch}")
+        if self.max_len == 0:
+            self.max_len = min(2048, context)
+        if not 2 <= self.max_len <= context:
+            raise FlexDraftError(f"max_len={self.max_len} must be between 2 and the model's context of {context}")
+
+
+@dataclass
+class StepStats:
+    mode: str  # ar | sequential | tree | parallel | lookup | idle
+    rows: int  # rows decoded this step (after admission)
+    admitted: int = 0
+    admitted_ids: list[int] = field(default_factory=list)  # the requests prefilled this step
+    block: int = 0  # drafts verified per row
+    drafted_rows: int = 0  # rows that needed a sequential drafter pass
+    branches: float = 0.0  # parallel: branches kept per row (mean)
+    pruned_misses: int = 0  # parallel: rows whose real accepted length fell on a pruned branch
+    accepted: list[int] = field(default_factory=list)  # accepted drafts per verified row
+    seconds: float = 0.0
+    forward_seconds: dict = field(default_factory=dict)  # prefill / draft / target / parallel

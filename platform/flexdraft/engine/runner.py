@@ -1,0 +1,155 @@
+"""Assembling a ready engine: target model, drafter (a path, the default pipeline's, or `init`), engine config
+and the adaptive policy's cost profile (measured once per model/drafter/device/dtype/threads, then cached).
+Used by the CLI and the benchmark harness."""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from flexdraft.core import logs
+from flexdraft.core.config import RuntimeConfig, data_dir
+from flexdraft.drafter.model import WEIGHTS, Drafter, DrafterConfig, load_drafter, read_drafter_meta, weights_fingerprint
+from flexdraft.engine.engine import Engine
+from flexdraft.engine.config import NO_DRAFTER, EngineConfig
+from flexdraft.core.errors import FlexDraftError
+from flexdraft.speculative.lookup import NgramStore
+from flexdraft.models.loading import LoadedModel, load_model
+from flexdraft.drafter.recipe import PipelineConfig, default_drafter_dir
+from flexdraft.speculative.policy_file import Policy, load_policy
+
+
+PROFILE_FORMAT = 15  # bump when Engine.profile measures other shapes or passes, or forwards get faster: cached profiles are redone
+
+
+@dataclass
+class DrafterChoice:
+    drafter: Drafter | None
+    source: str  # a folder, "init", or "" (none)
+    prior: dict | None  # the drafter's validation agreement (seeds the acceptance model)
+    fingerprint: str = ""  # of its weights file ("init-k<k>-B<B>" for init): what a policy is measured for
+
+
+def resolve_drafter(spec: str | None, target, required: bool) -> DrafterChoice:
+    """spec: a drafter folder, "init" (projectors copied from the target, calibration zero: lossless, slow),
+    or None = the default pipeline's drafter if it exists, made ready for inference beside `target`.
+    required: a speculative mode was asked for."""
+    if spec == "init":  # the default shape, with fewer tuned layers on a model too shallow for it
+        cfg = DrafterConfig()
+        cfg.k = min(cfg.k, max(1, target.args.n_layers // 2))
+        return DrafterChoice(Drafter.from_target(target, cfg).to_runtime(target), "init", None,
+                             f"init-k{cfg.k}-B{cfg.block_size}")
+    folder = Path(spec).expanduser() if spec else default_drafter_dir()
+    if not spec and not (folder / "drafter.json").is_file():
+        if required:
+            raise FlexDraftError(f"no drafter given and the default one ({folder}) does not exist: train it with "
+                                 "`flexdraft pipeline`, pass --drafter PATH, or --drafter init (untrained)")
+        return DrafterChoice(None, "", None)
+    drafter = load_drafter(folder, target).to_runtime(target)
+    digest = hashlib.sha256((folder / WEIGHTS).read_bytes()).hexdigest()[:16]
+    return DrafterChoice(drafter, str(folder), read_drafter_meta(folder).get("eval"), digest)
+
+
+def resolve_policy(path: str, target, choice: DrafterChoice) -> Policy:
+    """Load a policy file for this target and drafter: one measured for another is refused; one measured on
+    another device, dtype or thread count is used with a warning (lossless anyway, maybe slower)."""
+    policy = load_policy(path)
+    if choice.drafter is None:
+        raise FlexDraftError(f"policy {path} needs a drafter (it was tuned for {policy.drafter.get('path')}): "
+                             "pass --drafter")
+    policy.refuse_other(weights_fingerprint(target), choice.fingerprint, path)
+    here = {"device": str(target.device.type), "dtype": str(target.dtype).removeprefix("torch."),
+            "threads": torch.get_num_threads()}
+    differs = {k: (policy.machine.get(k), v) for k, v in here.items() if policy.machine.get(k) not in (None, v)}
+    if differs:
+        logs.get("engine").warning(f"policy {path} was measured with "
+                                   + ", ".join(f"{k} {a} (here {b})" for k, (a, b) in differs.items())
+                                   + ": its choices may not be the fastest here")
+    return policy
+
+
+def resolve_store(spec: str | None, model: str, vocab_size: int) -> tuple[NgramStore | None, str]:
+    """The n-gram store lookup steps draft from -> (store, where it came from). spec: a store file, a distill
+    folder (its store, built on first use), "none", or None = the default pipeline's distilled data when it
+    exists and `model` is the default pipeline's model."""
+    from flexdraft.speculative.lookup import store_path
+
+    if spec == "none":
+        return None, ""
+    if spec:
+        path = Path(spec).expanduser()
+        if path.is_dir() and any(path.glob("train-*.parquet")):
+            path = store_path(path, vocab_size)
+        return NgramStore.load(path, vocab_size), str(path)
+    default = PipelineConfig()
+    folder = default.distill_dir()
+    if model != default.model or not any(folder.glob("train-*.parquet")):
+        return None, ""
+    path = store_path(folder, vocab_size)
+    return NgramStore.load(path, vocab_size), str(path)
+
+
+def profile_file(target, drafter: Drafter, cfg: EngineConfig, tree_sizes: list[int] | None = None) -> Path:
+    """The cached cost profile of this model, drafter shape, device, dtype, threads and batch size (tree_sizes:
+    a policy's, when other than [tree_nodes])."""
+    key = json.dumps([PROFILE_FORMAT, weights_fingerprint(target), asdict(drafter.config), str(target.device),
+                      str(target.dtype), target.math_attention, torch.get_num_threads(), cfg.max_batch,
+                      cfg.switch_batch, cfg.block_size, cfg.tree_nodes] + ([tree_sizes] if tree_sizes else []),
+                     sort_keys=True)
+    return data_dir() / "profiles" / (hashlib.sha256(key.encode()).hexdigest()[:12] + ".json")
+
+
+def seed_costs(engine: Engine) -> None:
+    """Adaptive engines: load the cached cost profile, or measure it (a few seconds) and cache it."""
+    if engine.config.mode != "adaptive" or not engine.config.cost_model:
+        return
+    sizes = engine.tree_sizes()
+    path = profile_file(engine.target, engine.drafter, engine.config,
+                        sizes if sizes != [engine.config.tree_nodes] else None)
+    if path.is_file():
+        engine.costs.load_profile(path)
+        return
+    logs.get("engine").info(f"profiling forwards for the adaptive policy; cached in {path}")
+    engine.profile()
+    engine.costs.save_profile(path)
+
+
+def build_engine(lm: LoadedModel, choice: DrafterChoice, cfg: EngineConfig, store: NgramStore | None,
+                 policy: Policy | None = None) -> Engine:
+    """An engine over a loaded model: the drafter where the mode uses one, seeded with the drafter's validation
+    agreement, the policy's bands if given (`resolve_policy`), and (adaptive) the cost profile `seed_costs` loads
+    or measures."""
+    use_drafter = cfg.mode not in NO_DRAFTER or policy is not None
+    engine = Engine(lm.model, choice.drafter if use_drafter else None, cfg, lm.eos_token_ids,
+                    acceptance_prior=choice.prior, store=store, policy=policy)
+    seed_costs(engine)
+    return engine
+
+
+def load_engine(model: str, runtime: RuntimeConfig, drafter_spec: str | None, cfg: EngineConfig,
+                mode_given: bool = True, store_spec: str | None = None,
+                policy_spec: str | None = None) -> tuple[LoadedModel, Engine, str]:
+    """-> (model, ready engine, a note saying which drafter, policy, n-gram store, mode and runtime). Without an
+    explicit mode: adaptive when a drafter is available, else AR. policy_spec: a policy file (`policy_file`)."""
+    lm = load_model(model, runtime)
+    required = (cfg.mode not in NO_DRAFTER and mode_given) or bool(policy_spec)
+    choice = resolve_drafter(drafter_spec, lm.model, required=required)
+    policy = resolve_policy(policy_spec, lm.model, choice) if policy_spec else None
+    if policy is not None:
+        cfg.mode = "adaptive"
+    elif not mode_given:
+        cfg.mode = "adaptive" if choice.drafter is not None else "ar"
+    if choice.source:
+        note = f"[drafter: {choice.source}; mode {cfg.mode}" + (f", policy {policy_spec}]" if policy else "]")
+    else:
+        note = f"[no drafter (the default {default_drafter_dir()} does not exist): mode {cfg.mode}]"
+    store, source = resolve_store(store_spec, model, lm.model.args.vocab_size) if cfg.lookup else (None, "")
+    if source and cfg.mode in ("lookup", "adaptive"):
+        note = note[:-1] + f"; n-gram store {source}]"
+    m = lm.model
+    note = note[:-1] + (f"; {m.device.type} {str(m.dtype).removeprefix('torch.')} (dtype {runtime.dtype}), "
+                        f"prepacked {m.lm_head.packed is not None}]")
+    return lm, build_engine(lm, choice, cfg, store, policy), note

@@ -1,0 +1,555 @@
+"""The benchmark harness (`flexdraft bench --config ...`): datasets x batch sizes x methods on the same prompts
+in the same run, every FlexDraft output checked against our AR, results as Markdown, JSON, plots and MLflow.
+
+Methods (`METHODS`): our AR (the reference), `transformers` generate and prompt-lookup decoding on the same
+weights, and the engine's modes, three of which form the ablation (attention tuning only -> + calibration ->
++ selective verification). The engine methods decode in lockstep, one step of each in turn (in a new random order
+each round), so this noisy machine's bursts hit all alike, and `ar-control`, our AR a second time,
+measures the noise that is left; the `transformers` methods run whole `generate` calls after them in every
+repeat. Timing excludes model loading and includes prefill; every cell is warmed up first; a cell's time is the
+median over repeats.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from flexdraft.core import logs
+from flexdraft.evaluation.bench import hf_generate, load_hf, markdown, timed
+from flexdraft.core.config import RuntimeConfig, data_dir, from_dict, load_yaml
+from flexdraft.core.data import BENCH_DATASETS, UNAVAILABLE_DATASETS, bench_prompts, check_datasets
+from flexdraft.engine.engine import Engine
+from flexdraft.engine.config import EngineConfig
+from flexdraft.core.errors import FlexDraftError
+from flexdraft.speculative.sampling import SamplingParams
+from flexdraft.engine.ar import generate
+from flexdraft.models.loading import load_model
+from flexdraft.engine.runner import build_engine, resolve_drafter, resolve_policy, resolve_store
+
+
+log = logs.get("bench")
+
+
+@dataclass(frozen=True)
+class Method:
+    kind: str  # engine | hf | hf-lookup
+    engine: tuple = ()  # EngineConfig overrides, (key, value) pairs
+    about: str = ""
+    store: bool = True  # lookup steps also draft from the n-gram store (when there is one)
+    policy: str = ""  # a policy file (`policy_file`): its bands decide each step
+
+
+METHODS = {
+    "ar": Method("engine", (("mode", "ar"),), "our batched AR: the reference for speed-ups and correctness"),
+    "ar-control": Method("engine", (("mode", "ar"),), "a second copy of our AR in the same lockstep: the same work, "
+                         "so its ratio to `ar` is the run's noise floor"),
+    "hf-generate": Method("hf", (), "transformers generate, greedy, static batches"),
+    "hf-prompt-lookup": Method("hf-lookup", (), "transformers prompt-lookup decoding (batch 1 only)"),
+    "sequential": Method("engine", (("mode", "sequential"),), "draft after verify, slot 0 = known bonus"),
+    "tree": Method("engine", (("mode", "tree"),), "sequential drafts verified as a token tree"),
+    "parallel-uncalibrated": Method("engine", (("mode", "parallel"), ("calibrate", False)),
+                                    "ablation: attention tuning only (parallel, branches uncalibrated)"),
+    "parallel": Method("engine", (("mode", "parallel"),), "ablation: + calibration (all branches)"),
+    "parallel-pruned": Method("engine", (("mode", "parallel"), ("top_m", None)),
+                              "ablation: + selective verification (top_m branches)"),
+    "lookup-prompt": Method("engine", (("mode", "lookup"),), "our prompt lookup alone: n-gram drafts, no drafter",
+                            store=False),
+    "lookup": Method("engine", (("mode", "lookup"),),
+                     "prompt lookup + the n-gram store's chain, one trie per step: no drafter"),
+    "adaptive-drafter": Method("engine", (("mode", "adaptive"), ("lookup", 0)),
+                               "adaptive without lookup drafts: the drafter's modes only"),
+    "adaptive-no-store": Method("engine", (("mode", "adaptive"),), "adaptive with prompt lookup only, no n-gram store",
+                                store=False),
+    "adaptive": Method("engine", (("mode", "adaptive"),),
+                       "the product: AR / sequential / tree / parallel / lookup (prompt + store) per step by cost"),
+}
+
+
+def speculative(method: str) -> bool:
+    """Whether a method's steps speculate (every engine method but our AR; policy methods too)."""
+    return method not in METHODS or (METHODS[method].kind == "engine" and METHODS[method].engine != (("mode", "ar"),))
+
+
+@dataclass
+class HarnessConfig:
+    model: str = "smollm2"
+    drafter: str = ""  # "" = the default pipeline's drafter; a folder; or "init"
+    store: str = ""  # n-gram store of lookup steps: "" = the default pipeline's (if distilled), a file or folder, "none"
+    device: str = "auto"
+    dtype: str = "auto"  # bfloat16 where the device has native bf16, else float32 (hardware.probe)
+    threads: int = 0  # 0 = one per core
+    datasets: list[str] = field(default_factory=lambda: ["gsm8k", "humaneval", "mt-bench", "math", "mbpp"])
+    samples: int = 4  # prompts per dataset; a batch-b cell decodes max(samples, b) of them
+    seed: int = 0  # of the prompt sample
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 16])
+    max_new_tokens: int = 64
+    # > 0: every method samples (speculative sampling in the engine, same seed per request); sampled outputs
+    # differ from AR's draw for draw, so rows are not compared (the engine tests check the distributions)
+    temperature: float = 0.0
+    top_p: float = 1.0
+    answer_tokens: int = 128  # multi-turn sets: length of the model's own earlier answers (greedy AR)
+    repeats: int = 1
+    methods: list[str] = field(default_factory=lambda: list(METHODS))
+    top_m: int = 2  # parallel-pruned keeps this many branches per row
+    # EngineConfig settings for every engine method (switch_batch, tree_nodes, rho, lookup, ...; defaults: the
+    # engine's); each method's own settings win (its mode, parallel-pruned's top_m)
+    engine: dict = field(default_factory=dict)
+    prompt_lookup_tokens: int = 10
+    # policy files from `flexdraft sweep`, each an engine method of its own: {method name: file}; a name not in
+    # `methods` is added to them (e.g. {tuned: ~/.flexdraft/sweeps/<name>/policy.yaml} beside `adaptive`)
+    policies: dict = field(default_factory=dict)
+    # the all-branch parallel rows (ablation) run up to this batch size (0 = all): (B+1)^2 branch tokens per row
+    # make them ~10x slower than AR at batch 16 on this CPU, minutes per cell that tell nothing new
+    all_branches_max_batch: int = 4
+    profile: bool = True  # torch profile of 5 parallel-pruned steps at batch 1
+    output_dir: str = ""  # "" = $FLEXDRAFT_HOME/bench/<UTC time>
+    mlflow_experiment: str = "flexdraft-bench"
+
+    def __post_init__(self):
+        if not self.batch_sizes or min(self.batch_sizes) < 1:
+            raise FlexDraftError(f"batch_sizes must be >= 1, got {self.batch_sizes}")
+        for key in ("samples", "max_new_tokens", "answer_tokens", "repeats", "top_m", "prompt_lookup_tokens"):
+            if getattr(self, key) < 1:
+                raise FlexDraftError(f"{key} must be >= 1, got {getattr(self, key)}")
+        per_method = sorted({"mode", "max_batch", "max_len"} & set(self.engine))
+        if per_method:
+            raise FlexDraftError(f"engine.{per_method[0]} is set per method and batch size by the harness: remove it")
+        from_dict(EngineConfig, self.engine, ".engine")  # unknown keys and wrong types, named
+        self.params()  # temperature and top_p checked as the engine will take them
+        if self.all_branches_max_batch < 0:
+            raise FlexDraftError(f"all_branches_max_batch must be >= 0 (0 = no limit), got {self.all_branches_max_batch}")
+        clash = sorted(set(self.policies) & set(METHODS))
+        if clash:
+            raise FlexDraftError(f"policies: {clash[0]} is a built-in method's name: name the policy otherwise")
+        self.methods += [name for name in self.policies if name not in self.methods]
+        unknown = [m for m in self.methods if m not in METHODS and m not in self.policies]
+        if unknown:
+            raise FlexDraftError(f"unknown method(s) {', '.join(unknown)}: choose from {', '.join(METHODS)} or name "
+                                 "a policy file under `policies`")
+        if "ar" not in self.methods:
+            self.methods = ["ar", *self.methods]  # speed-ups and correctness are measured against it
+        check_datasets(self.datasets)
+        if not any(d in BENCH_DATASETS for d in self.datasets):
+            raise FlexDraftError(f"no available dataset among {self.datasets}: use some of {', '.join(BENCH_DATASETS)}")
+
+    def method(self, name: str) -> Method:
+        if name in self.policies:
+            return Method("engine", (("mode", "adaptive"),), f"the policy file {self.policies[name]}",
+                          policy=str(self.policies[name]))
+        return METHODS[name]
+
+    def params(self, max_new_tokens: int | None = None) -> SamplingParams:
+        return SamplingParams(max_new_tokens=max_new_tokens or self.max_new_tokens, temperature=self.temperature,
+                              top_p=self.top_p, seed=self.seed)
+
+
+def load_harness_config(path: str | Path) -> HarnessConfig:
+    return load_yaml(HarnessConfig, path)
+
+
+# ------------------------------------------------------------------------------------------- one cell
+
+def skip_reason(method: str, batch: int, cfg: HarnessConfig) -> str | None:
+    if cfg.method(method).kind != "engine" and cfg.temperature > 0:
+        return "the transformers methods run greedy only here"
+    if method == "hf-prompt-lookup" and batch > 1:
+        return "transformers prompt lookup runs at batch 1 only"  # "assisted generate is only supported for batch_size = 1"
+    if method in ("parallel", "parallel-uncalibrated") and 0 < cfg.all_branches_max_batch < batch:
+        return f"all-branch parallel runs up to batch {cfg.all_branches_max_batch} (all_branches_max_batch)"
+    return None
+
+
+def _engine(lm, choice, store, cfg: HarnessConfig, method: str, batch: int, max_len: int) -> Engine:
+    spec = cfg.method(method)
+    overrides = {k: (cfg.top_m if k == "top_m" else v) for k, v in spec.engine}
+    ec = from_dict(EngineConfig, {**cfg.engine, "max_batch": batch, "max_len": max_len, **overrides})
+    policy = resolve_policy(spec.policy, lm.model, choice) if spec.policy else None
+    return build_engine(lm, choice, ec, store if spec.store else None, policy)
+
+
+def _engines(lm, choice, store, cfg: HarnessConfig, batch: int, max_len: int) -> dict[str, Engine]:
+    return {name: _engine(lm, choice, store, cfg, name, batch, max_len) for name in cfg.methods
+            if cfg.method(name).kind == "engine" and not skip_reason(name, batch, cfg)}
+
+
+def lockstep(engines: dict[str, Engine], prompts: list[list[int]], params: SamplingParams) -> dict[str, dict]:
+    """Decode the same prompts with every engine, one step of each in turn, timing each engine's steps only. Each
+    round runs the engines in a new (seeded) random order, so none always runs first or right after the same other
+    (a cyclic order kept `ar-control` right after `ar` in every round).
+    -> per engine: outputs, seconds, forward seconds by kind, steps per plan (mode/B<drafts>/m<branches>),
+    steps per mode, accepted drafts per verified row, and per draft position j how often it was verified
+    after j-1 accepted drafts and accepted."""
+    ids = {name: [e.add_request(p, params) for p in prompts] for name, e in engines.items()}
+    res = {name: {"seconds": 0.0, "forward": {}, "plans": {}, "modes": {}, "accepted": [], "pruned": 0,
+                  "parallel_rows": 0, "reached": [0] * (e.B + 1), "taken": [0] * (e.B + 1)}
+           for name, e in engines.items()}
+    order, rng = list(engines), random.Random(0)
+    while any(e.has_work() for e in engines.values()):
+        rng.shuffle(order)
+        for name in order:
+            engine = engines[name]
+            if not engine.has_work():
+                continue
+            t0 = time.perf_counter()
+            engine.step()
+            r, s = res[name], engine.last_stats
+            r["seconds"] += time.perf_counter() - t0
+            plan = s.mode + (f"/B{s.block}" if s.block else "") + (f"/m{s.branches:g}" if s.mode == "parallel" else "")
+            r["plans"][plan] = r["plans"].get(plan, 0) + 1
+            r["modes"][s.mode] = r["modes"].get(s.mode, 0) + 1
+            for k, v in s.forward_seconds.items():
+                r["forward"][k] = r["forward"].get(k, 0.0) + v
+            r["accepted"] += s.accepted
+            if s.mode == "parallel":
+                r["pruned"] += s.pruned_misses
+                r["parallel_rows"] += s.rows
+            for a in s.accepted:
+                for j in range(1, s.block + 1):
+                    if a < j - 1:
+                        break
+                    r["reached"][j] += 1
+                    r["taken"][j] += a >= j
+    for name, engine in engines.items():
+        gens = [engine.result(i) for i in ids[name]]
+        forwards = sum(g.extra["forwards"] for g in gens)  # target forwards after each row's prefill
+        res[name].update(outputs=[g.token_ids for g in gens],
+                         tau=(sum(len(g.token_ids) for g in gens) - len(gens)) / max(forwards, 1),
+                         misses=res[name]["pruned"] / max(res[name]["parallel_rows"], 1))
+    return res
+
+
+class HFRunner:
+    """`transformers` generate over the prompts in static batches of `batch`, counting the model's forwards
+    (tau of prompt lookup)."""
+
+    def __init__(self, hf, eos: list[int], pad: int):
+        self.hf, self.eos, self.pad, self.forwards = hf, eos, pad, 0
+        hf.register_forward_hook(lambda *_: setattr(self, "forwards", self.forwards + 1))
+
+    def run(self, prompts: list[list[int]], batch: int, max_new: int, lookup: int = 0) -> dict:
+        self.forwards, outputs = 0, []
+
+        def generate_all():
+            for i in range(0, len(prompts), batch):
+                outputs.extend(hf_generate(self.hf, prompts[i:i + batch], max_new, self.pad, self.eos, lookup))
+
+        seconds = timed(generate_all)
+        steps = self.forwards - -(-len(prompts) // batch)  # forwards after each batch's prefill
+        tokens = sum(len(o) for o in outputs)
+        return {"outputs": outputs, "seconds": seconds,
+                "tau": (tokens - len(prompts)) / max(steps, 1) if lookup else 1.0}
+
+
+def run_cell(engines: dict[str, Engine], hf: HFRunner | None, prompts: list[list[int]], batch: int,
+             cfg: HarnessConfig) -> list[dict]:
+    """Every method on the same prompts at one batch size -> one result row per method."""
+    params = cfg.params()
+    hf_methods = {m: cfg.method(m).kind for m in cfg.methods
+                  if cfg.method(m).kind != "engine" and not skip_reason(m, batch, cfg)}
+
+    def hf_run(name, max_new):
+        return hf.run(prompts, batch, max_new, cfg.prompt_lookup_tokens if hf_methods[name] == "hf-lookup" else 0)
+
+    lockstep(engines, prompts[:batch], cfg.params(8))  # warm-up
+    for name in hf_methods:
+        hf_run(name, 8)
+    runs = []
+    for _ in range(cfg.repeats):
+        run = lockstep(engines, prompts, params)
+        run.update({name: hf_run(name, cfg.max_new_tokens) for name in hf_methods})
+        runs.append(run)
+    median = {name: statistics.median(r[name]["seconds"] for r in runs) for name in runs[0]}
+    tok_s = {name: sum(len(o) for o in runs[-1][name]["outputs"]) / median[name] for name in median}
+    reference = runs[0]["ar"]["outputs"]
+    rows = []
+    for name in cfg.methods:
+        if name not in median:
+            rows.append({"method": name, "batch": batch, "skipped": skip_reason(name, batch, cfg)})
+            continue
+        last = runs[-1][name]
+        row = {"method": name, "batch": batch, "prompts": len(prompts), "tokens": sum(len(o) for o in last["outputs"]),
+               "seconds": median[name], "tok_s": tok_s[name], "speedup_ar": tok_s[name] / tok_s["ar"],
+               "speedup_hf": tok_s[name] / tok_s["hf-generate"] if "hf-generate" in tok_s else None,
+               "tau": last["tau"],
+               # rows whose output differs from our AR's in any repeat (greedy only)
+               "mismatched_rows": None if cfg.temperature > 0 else
+               sum(any(r[name]["outputs"][i] != ref for r in runs) for i, ref in enumerate(reference))}
+        if cfg.method(name).kind == "engine":
+            steps = sum(last["modes"].values())
+            split = {k: v / last["seconds"] for k, v in last["forward"].items()}
+            split["other"] = 1 - sum(split.values())
+            row.update(mode_share={k: v / steps for k, v in last["modes"].items()}, plans=last["plans"],
+                       time_split=split, pruned_misses=last["misses"], accepted=last["accepted"],
+                       acceptance=[t / r if r else None for t, r in zip(last["taken"][1:], last["reached"][1:])])
+        rows.append(row)
+    return rows
+
+
+def step_profile(engine: Engine, prompt: list[int], steps: int = 5, rows: int = 10) -> str:
+    """torch.profiler table over `steps` decoding steps of `engine` (after the first two), totals."""
+    from torch.profiler import ProfilerActivity, profile
+
+    rid = engine.add_request(prompt, SamplingParams(max_new_tokens=64))
+    engine.step()
+    engine.step()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.target.device.type == "cuda" else [])
+    seconds, forward, plans = 0.0, {}, set()
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            engine.step()
+            s = engine.last_stats
+            seconds += s.seconds
+            plans.add(f"{s.mode}/B{s.block}/m{s.branches:g}")
+            for k, v in s.forward_seconds.items():
+                forward[k] = forward.get(k, 0.0) + v
+    engine.abort(rid)
+    head = (f"{steps} steps ({', '.join(sorted(plans))}), 1 row: {seconds / steps * 1000:.1f} ms per step, "
+            "forwards " + ", ".join(f"{k} {v / steps * 1000:.1f} ms" for k, v in forward.items()) +
+            " per step (profiler overhead included)")
+    return head + "\n" + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+
+
+# -------------------------------------------------------------------------------------------- the run
+
+def run_harness(cfg: HarnessConfig) -> dict:
+    """Run every dataset x batch size x method; write results.{json,md} and plots to the output folder and
+    log them to MLflow. -> the results dict (also in results.json)."""
+    import mlflow
+
+    from flexdraft.core.tracking import git_commit, hardware, start_run
+
+    t_start = time.perf_counter()
+    runtime = RuntimeConfig(device=cfg.device, dtype=cfg.dtype, threads=cfg.threads)
+    lm = load_model(cfg.model, runtime)
+    choice = resolve_drafter(cfg.drafter or None, lm.model, required=any(map(speculative, cfg.methods)))
+    store, store_source = resolve_store(cfg.store or None, cfg.model, lm.model.args.vocab_size)
+    hf = None
+    if any(cfg.method(m).kind != "engine" for m in cfg.methods):
+        pad = lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else 0
+        hf = HFRunner(load_hf(lm, runtime), list(lm.eos_token_ids), pad)
+    datasets = check_datasets(cfg.datasets)
+    unavailable = {d: UNAVAILABLE_DATASETS[d] for d in cfg.datasets if d in UNAVAILABLE_DATASETS}
+    for d, why in unavailable.items():
+        log.info(f"{d}: unavailable ({why}); not run, nothing substituted")
+    log.info(f"{cfg.model} {str(lm.model.dtype).removeprefix('torch.')} (dtype {cfg.dtype}) on {lm.model.device}, {torch.get_num_threads()} thread(s); drafter "
+        f"{choice.source or 'none'}; n-gram store {store_source or 'none'}; {len(datasets)} dataset(s) x batch "
+        f"{cfg.batch_sizes} x {len(cfg.methods)} methods")
+
+    n = max(cfg.samples, max(cfg.batch_sizes))
+    answer = lambda ps: [g.token_ids for g in generate(  # noqa: E731  (multi-turn sets: the model's own answers)
+        lm.model, ps, SamplingParams(max_new_tokens=cfg.answer_tokens), lm.eos_token_ids)]
+    prompts = {}
+    for d in datasets:
+        prompts[d] = [p.ids for p in bench_prompts(d, lm.tokenizer, n, cfg.seed, answer)]
+        log.info(f"{d}: {len(prompts[d])} prompts, {min(map(len, prompts[d]))}-{max(map(len, prompts[d]))} tokens")
+    B = choice.drafter.config.block_size if choice.drafter is not None else 8  # (lookup alone: 8 drafts)
+    max_len = min(lm.model.args.max_position_embeddings,  # (the step profile decodes up to 64 tokens)
+                  max(len(p) for ps in prompts.values() for p in ps) + max(cfg.max_new_tokens, 64) + (B + 1) + (B + 1) ** 2)
+
+    out = Path(cfg.output_dir).expanduser() if cfg.output_dir else \
+        data_dir() / "bench" / datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
+    out.mkdir(parents=True, exist_ok=True)
+    rows, cells = [], len(cfg.batch_sizes) * len(datasets)
+    name = f"bench-{'-'.join(cfg.datasets)}-b{','.join(map(str, cfg.batch_sizes))}"
+    with start_run(cfg.mlflow_experiment, {**asdict(cfg), "drafter_source": choice.source}, run_name=name) as run:
+        for bi, batch in enumerate(cfg.batch_sizes):
+            engines = _engines(lm, choice, store, cfg, batch, max_len)
+            for di, d in enumerate(datasets):
+                cell = prompts[d][:max(cfg.samples, batch)]
+                log.info(f"{bi * len(datasets) + di + 1}/{cells}: {d}, batch {batch}, {len(cell)} prompts, "
+                    f"<= {cfg.max_new_tokens} new tokens each")
+                for row in run_cell(engines, hf, cell, batch, cfg):
+                    row["dataset"] = d
+                    rows.append(row)
+                    log.info("    " + _line(row))
+                    if "skipped" not in row:
+                        tag = f"{d}.{row['method']}.b{batch}"
+                        mlflow.log_metrics({f"{k}.{tag}": row[k] for k in ("tok_s", "speedup_ar", "tau",
+                                                                           "mismatched_rows") if row[k] is not None})
+        profile = step_profile(_engine(lm, choice, None, cfg, "parallel-pruned", 1, max_len), prompts[datasets[0]][0]) \
+            if cfg.profile and "parallel-pruned" in cfg.methods else ""
+        results = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                   "git_commit": git_commit(), "hardware": hardware(), "config": asdict(cfg),
+                   "device": str(lm.model.device), "attention": "math" if lm.model.math_attention else "sdpa",
+                   "dtype": str(lm.model.dtype).removeprefix("torch."), "prepacked": lm.model.lm_head.packed is not None,
+                   "drafter": choice.source, "drafter_eval": choice.prior,
+                   "store": store_source,
+                   "unavailable": unavailable, "seconds": time.perf_counter() - t_start, "output_dir": str(out),
+                   "summary": summary(rows), "noise_floor": noise_floor(rows), "rows": rows}
+        (out / "results.json").write_text(json.dumps(results, indent=1))
+        (out / "results.md").write_text(report(results) + (f"\n\n## One step, profiled\n\n```\n{profile}\n```\n"
+                                                            if profile else ""))
+        plot(results, out)
+        mlflow.log_metrics({f"mean_speedup_ar.{m}.b{b}": v for m, per in results["summary"].items()
+                            for b, v in per.items()})
+        mlflow.log_artifacts(str(out))
+        if results["noise_floor"]:
+            log.info(f"{results['noise_floor']}")
+        log.info(f"done in {results['seconds']:.0f}s: {out}/results.md, results.json, plots; MLflow run "
+            f"{run.info.run_id} (experiment {cfg.mlflow_experiment})")
+    return results
+
+
+def summary(rows: list[dict]) -> dict[str, dict[int, float]]:
+    """method -> batch -> speed-up over our AR, mean over the datasets (the paper's 'mean')."""
+    acc: dict[str, dict[int, list[float]]] = {}
+    for r in rows:
+        if "skipped" not in r:
+            acc.setdefault(r["method"], {}).setdefault(r["batch"], []).append(r["speedup_ar"])
+    return {m: {b: statistics.mean(v) for b, v in per.items()} for m, per in acc.items()}
+
+
+def noise_floor(rows: list[dict]) -> str:
+    """What `ar-control` (the same work as `ar`, in the same lockstep) measured against `ar`, as a sentence."""
+    ratios = [r["speedup_ar"] for r in rows if r["method"] == "ar-control" and "skipped" not in r]
+    if not ratios:
+        return ""
+    return (f"Noise floor: `ar-control`, our AR again on the same prompts, measured {min(ratios):.2f}-"
+            f"{max(ratios):.2f}x of `ar` over {len(ratios)} cell(s) (mean {statistics.mean(ratios):.2f}x): read "
+            "differences between methods within that range as this machine's noise, not as a speed-up or loss.")
+
+
+def _modes(row: dict) -> str:
+    return " ".join(f"{k} {v:.0%}" for k, v in sorted(row.get("mode_share", {}).items(), key=lambda kv: -kv[1]))
+
+
+def _line(r: dict) -> str:
+    if "skipped" in r:
+        return f"{r['method']:>22}: skipped ({r['skipped']})"
+    hf = f", x{r['speedup_hf']:.2f} over transformers" if r.get("speedup_hf") else ""
+    extra = f", steps {_modes(r)}" if speculative(r["method"]) else ""
+    extra += f", pruned misses {r['pruned_misses']:.0%}" if "parallel" in r.get("mode_share", {}) else ""
+    return (f"{r['method']:>22}: {r['tok_s']:7.1f} tok/s, x{r['speedup_ar']:.2f} over AR{hf}, tau {r['tau']:.2f}, "
+            f"mismatched rows {_mismatched(r)}{extra}")
+
+
+def _mismatched(r: dict) -> str:
+    return "n/a (sampled)" if r["mismatched_rows"] is None else f"{r['mismatched_rows']}/{r['prompts']}"
+
+
+def save_figure(fig, path: Path) -> Path:
+    """A finished matplotlib figure as a PNG at `path` (the harness's and the sweeps' plots alike)."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def summary_table(results: dict) -> str:
+    batches = results["config"]["batch_sizes"]
+    return markdown("**Speed-up over our AR, mean over the datasets**", ["method"] + [f"batch {b}" for b in batches],
+                    [[m] + [f"{per[b]:.2f}x" if b in per else "n/a" for b in batches]
+                     for m, per in results["summary"].items()])
+
+
+def report(results: dict) -> str:
+    cfg, hw = results["config"], results["hardware"]
+    sampled = f"sampled (temperature {cfg['temperature']}, top-p {cfg['top_p']})"
+    decoding = sampled if cfg["temperature"] else "greedy"
+    lines = [f"# FlexDraft benchmark, {results['date']}", "",
+             f"* Machine: {hw.get('gpu') or hw['cpu']} ({hw['cpu_count']} CPUs, {hw['torch_threads']} torch threads), "
+             f"{hw.get('cpu_isa', '')}, {results['device']}, {results.get('dtype', cfg['dtype'])} ({results['attention']} "
+             f"attention), `dtype: {cfg['dtype']}`, prepacked weights {results.get('prepacked')}; model {cfg['model']}; "
+             f"drafter {results['drafter'] or 'none'}; "
+             f"n-gram store {results.get('store') or 'none'}; commit {results['git_commit']}.",
+             f"* Prompts: a seeded sample (seed {cfg['seed']}) of max({cfg['samples']}, batch) per dataset and batch "
+             f"size, chat template, {decoding}, up to {cfg['max_new_tokens']} new tokens, EOS respected; MT-Bench's "
+             f"second turn follows the model's own first answer (up to {cfg['answer_tokens']} tokens).",
+             f"* Timing: model loading excluded, prefill included, one warm-up per cell, median of {cfg['repeats']} "
+             f"repeat(s); speed-ups are tokens/s ratios measured in the same run ({results['seconds'] / 60:.1f} min "
+             "in all). tau: tokens per target forward after the prefill.",
+             "* Correctness: every output is compared with our AR's, token for token (mismatched rows below)."
+             if not cfg["temperature"] else "* Correctness: sampled outputs are not compared with AR's (they differ "
+             "draw for draw); the engine's tests check that speculative sampling keeps the target's distribution."]
+    lines.append("* Datasets: " + "; ".join(f"`{d}` ({BENCH_DATASETS[d].title}, package {BENCH_DATASETS[d].source})"
+                                           for d in cfg["datasets"] if d in BENCH_DATASETS) + ".")
+    about = {m: METHODS[m].about if m in METHODS else f"the policy file {cfg['policies'][m]}" for m in cfg["methods"]}
+    lines.append("* Methods: " + "; ".join(f"`{m}` ({about[m]})" for m in cfg["methods"]) + ".")
+    if results["unavailable"]:
+        lines.append("* Not run, nothing substituted: " + "; ".join(f"{d} ({why})" for d, why in
+                                                                    results["unavailable"].items()) + ".")
+    lines += ["", summary_table(results), ""]
+    if results["noise_floor"]:
+        lines += [results["noise_floor"], ""]
+    cells = []
+    for r in results["rows"]:
+        if "skipped" in r:
+            continue
+        acc = " ".join(f"{a:.2f}" for a in (r.get("acceptance") or [])[:4] if a is not None)
+        cells.append([r["dataset"], r["batch"], r["method"], f"{r['tok_s']:.1f}", f"{r['speedup_ar']:.2f}x",
+                      f"{r['speedup_hf']:.2f}x" if r.get("speedup_hf") else "n/a", f"{r['tau']:.2f}",
+                      _mismatched(r), acc, _modes(r) if speculative(r["method"]) else "",
+                      f"{r['pruned_misses']:.0%}" if "parallel" in r.get("mode_share", {}) else ""])
+    lines.append(markdown("**Per dataset and batch size** (acceptance: P(draft j accepted | drafts before it accepted), "
+                          "j = 1..4; steps: share of engine steps per mode)",
+                          ["dataset", "batch", "method", "tok/s", "x our AR", "x transformers", "tau", "mismatched rows",
+                           "acceptance", "steps", "pruned misses"], cells))
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, out: Path) -> list[Path]:
+    """speedup_vs_batch.png (per dataset), tau_hist.png (tokens per verify step, batch 1), acceptance.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in results["rows"] if "skipped" not in r]
+    datasets = list(dict.fromkeys(r["dataset"] for r in rows))
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    title = f"{results['config']['model']}, {results['config']['dtype']}, {results['device']}"
+    paths = []
+
+    fig, axes = plt.subplots(1, len(datasets), figsize=(4.5 * len(datasets), 3.8), squeeze=False, sharey=True)
+    for ax, d in zip(axes[0], datasets):
+        for m in methods:
+            pts = sorted((r["batch"], r["speedup_ar"]) for r in rows if r["dataset"] == d and r["method"] == m)
+            style = ":" if m == "ar-control" else "--" if m.startswith("hf") else "-"
+            ax.plot(*zip(*pts), marker="o", label=m, linestyle=style)
+        ax.axhline(1.0, color="grey", linewidth=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(results["config"]["batch_sizes"], [str(b) for b in results["config"]["batch_sizes"]])
+        ax.set_title(d)
+        ax.set_xlabel("batch size")
+    axes[0][0].set_ylabel("speed-up over our AR (tokens/s)")
+    axes[0][-1].legend(fontsize=7)
+    fig.suptitle(f"Speed-up vs batch size ({title})")
+    paths.append(save_figure(fig, out / "speedup_vs_batch.png"))
+
+    spec = [m for m in methods if speculative(m)]
+    b1 = min(r["batch"] for r in rows)
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    for m in spec:
+        lengths = [a + 1 for r in rows if r["method"] == m and r["batch"] == b1 for a in r["accepted"]]
+        if lengths:
+            ax.hist(lengths, bins=range(1, max(lengths) + 2), histtype="step", density=True, linewidth=1.5,
+                    label=f"{m} (mean {statistics.mean(lengths):.2f})", align="left")
+    ax.set_xlabel("tokens per verify step (accepted drafts + 1)")
+    ax.set_ylabel("share of steps")
+    ax.set_title(f"Tokens per step, batch {b1}, all datasets")
+    ax.legend(fontsize=7)
+    paths.append(save_figure(fig, out / "tau_hist.png"))
+
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    for m in spec:
+        taken = [r for r in rows if r["method"] == m and r["batch"] == b1 and r.get("acceptance")]
+        if taken:
+            per_pos = []
+            for j in range(len(taken[0]["acceptance"])):
+                seen = [r["acceptance"][j] for r in taken if r["acceptance"][j] is not None]
+                per_pos.append(statistics.mean(seen) if seen else float("nan"))
+            ax.plot(range(1, len(per_pos) + 1), per_pos, marker="o", label=m)
+    ax.set_xlabel("draft position j")
+    ax.set_ylabel("P(accepted | earlier drafts accepted)")
+    ax.set_ylim(0, 1)
+    ax.set_title(f"Acceptance per position, batch {b1}, mean over datasets")
+    ax.legend(fontsize=7)
+    paths.append(save_figure(fig, out / "acceptance.png"))
+    plt.close("all")
+    return paths

@@ -1,0 +1,396 @@
+"""Serving one engine to many concurrent callers: `AsyncEngine` owns an `Engine` on one thread (the only thread
+that touches it) and runs the continuous-batching loop there: requests join between steps, each request's new
+tokens flow back through its own asyncio queue, finished and aborted ones leave. The adaptive policy sees the
+live batch every step. The Serve deployment (serving/ray_app.py) wraps it; nothing here knows Ray."""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable
+
+import torch
+
+from flexdraft.core import logs
+from flexdraft.core.errors import FlexDraftError
+from flexdraft.engine.config import StepStats
+from flexdraft.engine.engine import Engine
+from flexdraft.speculative.sampling import Generation, SamplingParams
+
+
+def spec_counts(stats: StepStats) -> dict:
+    """One step's speculative-decoding counts, as vLLM counts them: drafts (rows verified), draft tokens, accepted
+    tokens and, per draft position j (0-based), how many rows accepted draft j. AR steps count nothing."""
+    if stats.mode in ("ar", "idle", "profile") or not stats.accepted:
+        return {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_position": []}
+    acc = stats.accepted
+    return {"drafts": len(acc), "draft_tokens": len(acc) * stats.block, "accepted": sum(acc),
+            "per_position": [sum(a > j for a in acc) for j in range(max(acc))]}
+
+
+class EngineFailed(RuntimeError):
+    """The engine failed while decoding this request (it ends with this error; the other requests go on)."""
+
+
+class EngineUnavailable(EngineFailed):
+    """The engine is not taking requests: shut down, replaced by a reconfigure, or its loop died. Retry later."""
+
+
+@dataclass
+class Chunk:
+    """One item of a request's stream: new token ids, and on the last one the finished generation."""
+    tokens: list[int]
+    finished: Generation | None = None
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    request_id: int | None = None  # set by the engine thread once the request is in the engine
+    sent: int = 0  # tokens handed to the caller
+
+
+class _LoopKilled(BaseException):
+    """Test-only fault: escapes the loop's supervision, as a bug in the loop itself would."""
+
+
+# after a failed step, a re-admitted request decodes this many steps alone before the next one joins
+PROBATION_STEPS = 2
+MAX_STRIKES = 3  # a request in this many failed steps without being singled out is ended (no endless retries)
+
+
+class AsyncEngine:
+    """`async for chunk in engine.generate(prompt_ids, params)`: the request's tokens as the engine makes them.
+    A caller that stops iterating or is cancelled at any await (a client gone before admission, mid-stream or
+    mid-step) aborts its request: its row and stream are freed at the next step. `on_step(stats, engine)` runs
+    on the engine thread after every step (metrics).
+
+    The loop is supervised: an exception in a command, a callback or a step never ends it. A failed step's
+    requests go back to the queue with the tokens they made (`Engine.recover`) and rejoin one at a time, each
+    decoding `PROBATION_STEPS` steps before the next joins, so a request that fails again alone is the one
+    charged with the error while the others' outputs stay what they would have been. If the loop still ends
+    (a bug), `alive` turns False, every waiting caller gets EngineUnavailable at once and so do new ones."""
+
+    def __init__(self, engine: Engine, on_step: Callable[[StepStats, Engine], None] | None = None):
+        self.engine, self.on_step = engine, on_step
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._lock = threading.Lock()  # orders `_send` against the loop's death: no command is left unanswered
+        self._streams: dict[int, _Stream] = {}
+        self._stopped = False
+        self._closed = False  # the loop has ended: `_send` answers commands itself
+        self._draining = False  # no new requests; the running ones finish (a reconfigure replaced this engine)
+        self.death: str | None = None  # why the loop ended, when it ended other than by shutdown
+        self.aborted = 0  # requests aborted because their caller went away
+        self.failed_steps = 0  # steps that raised (each recovered)
+        self.charged = 0  # requests ended with an error by a failed step
+        self.most_rows = 0  # the largest batch a step has decoded
+        # running totals since start (the MLflow reporter logs their rates): tokens, rows, drafts, ..., steps_<mode>
+        self.totals: dict[str, float] = {}
+        self._strikes: dict[int, int] = {}  # request id -> failed steps it was in
+        self._suspects: list[int] = []  # failed step's requests not yet re-admitted, in queue order
+        self._probation: list = []  # [request id, steps left] of the request decoding alone after a failure
+        self._fault: str | None = None
+        self._torch_threads = torch.get_num_threads()  # what the model was loaded for (RuntimeConfig.threads)
+        self._thread = threading.Thread(target=self._run, name="flexdraft-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ callers (any thread / event loop)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.death is None
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[Chunk]:
+        """Raises FlexDraftError (before any token) for a request the engine refuses, EngineFailed if the engine
+        fails while decoding it, EngineUnavailable if it takes no requests."""
+        if self._draining or self._stopped or not self.alive:
+            raise EngineUnavailable(self._unavailable())
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        ticket: concurrent.futures.Future = concurrent.futures.Future()
+        done = False
+        try:
+            self._send(("add", list(prompt_ids), params, stream, ticket))
+            await asyncio.wrap_future(ticket)
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    done = True
+                    raise item
+                done = item.finished is not None
+                yield item
+                if done:
+                    return
+        finally:
+            if not done:  # refused, cancelled, or the caller stopped early: free whatever the request holds
+                ticket.cancel()
+                self._send(("abort", stream), quiet=True)
+
+    def load(self) -> dict:
+        """Rows decoding, requests waiting, open streams and failure counts (read without locking: a snapshot
+        for metrics and health)."""
+        return {"alive": self.alive, "running": self.engine.active, "waiting": len(self.engine.waiting),
+                "streams": len(self._streams), "steps": self.totals.get("steps", 0), "most_rows": self.most_rows,
+                "aborted": self.aborted, "failed_steps": self.failed_steps, "failed_requests": self.charged}
+
+    def call(self, fn: Callable[[Engine], object], timeout: float | None = 60.0) -> object:
+        """Run fn(engine) on the engine thread between steps and return its result (e.g. a policy change).
+        TimeoutError if the engine thread has not run it within `timeout` seconds (it is then not run)."""
+        ticket: concurrent.futures.Future = concurrent.futures.Future()
+        self._send(("call", fn, ticket))
+        try:
+            return ticket.result(timeout)
+        except concurrent.futures.TimeoutError:
+            if ticket.cancel():
+                raise TimeoutError(f"the engine thread did not take the call within {timeout} s") from None
+            return ticket.result()  # it started just now: its result is on its way
+
+    def drain(self, timeout: float) -> None:
+        """Take no new requests, let the running ones finish for up to `timeout` seconds, then shut down (the
+        rest end with EngineUnavailable). Returns at once; a thread of its own waits."""
+        self._draining = True
+
+        def wait():
+            end = time.monotonic() + timeout
+            while (self._streams or not self._commands.empty()) and time.monotonic() < end and self.alive:
+                time.sleep(0.05)
+            self.shutdown()
+
+        threading.Thread(target=wait, name="flexdraft-drain", daemon=True).start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout)
+
+    def inject_fault(self, kind: str) -> None:
+        """Test-only: "step" makes the next step raise (recovered as any failed step); "loop" ends the loop as
+        a bug in it would."""
+        if kind not in ("step", "loop"):
+            raise ValueError(f"unknown fault {kind!r}: step or loop")
+        self._send(("fault", kind))
+
+    def _unavailable(self) -> str:
+        if self.death is not None:
+            return f"the engine loop died ({self.death}); the replica is unhealthy and will be replaced"
+        if self._draining:
+            return "this engine was replaced by a reconfigure; retry"
+        return "the engine is shut down"
+
+    def _send(self, command: tuple, quiet: bool = False) -> None:
+        with self._lock:
+            if self._closed:
+                if not quiet:
+                    self._refuse(command)
+                return
+            self._commands.put(command)
+        self._wake.set()
+
+    def _refuse(self, command: tuple) -> None:
+        """Answer a command the loop will never run (it died or was shut down)."""
+        error = EngineUnavailable(self._unavailable())
+        ticket = command[-1] if command[0] in ("add", "call") else None
+        if ticket is not None and ticket.set_running_or_notify_cancel():
+            ticket.set_exception(error)
+
+    # ------------------------------------------------------------------ the engine thread
+
+    def _run(self) -> None:
+        # OpenMP's thread count is per OS thread: a new thread starts from OMP_NUM_THREADS (Ray sets it to the
+        # actor's num_cpus), not from the torch.set_num_threads of the thread that loaded the model
+        torch.set_num_threads(self._torch_threads)
+        try:
+            while not self._stopped:
+                self._drain()
+                if not self.engine.has_work():
+                    self._wake.wait(timeout=1.0)
+                    self._wake.clear()
+                    continue
+                self._step()
+            reason = "the engine is shut down"
+        except BaseException as e:  # noqa: BLE001 - a bug in the loop itself: say so, answer everyone
+            self.death = f"{type(e).__name__}: {e}"
+            logs.get("serve").error(f"the engine loop died: {self.death}", exc_info=not isinstance(e, _LoopKilled))
+            reason = self._unavailable()
+        with self._lock:  # from here `_send` refuses: answer what is queued and every open stream
+            self._closed = self._stopped = True
+            pending = []
+            while not self._commands.empty():
+                pending.append(self._commands.get_nowait())
+        for command in pending:
+            self._refuse(command)
+        self._fail_all(EngineUnavailable(reason))
+
+    def _step(self) -> None:
+        try:
+            if self._fault == "step":
+                self._fault = None
+                raise RuntimeError("injected step fault")
+            out = self.engine.step()
+        except Exception as e:  # noqa: BLE001 - one bad step must not take the replica down
+            self._recover(e)
+            return
+        stats = self.engine.last_stats
+        self._probate(stats)
+        self._deliver(out)
+        self._count(stats, out)
+        if self.on_step is not None:
+            try:
+                self.on_step(stats, self.engine)
+            except Exception:  # noqa: BLE001 - metrics must not stop decoding
+                logs.get("serve").exception("on_step callback failed")
+
+    def _recover(self, error: Exception) -> None:
+        """A step raised: put its requests back with their progress, charge the one that failed alone (or that
+        keeps failing), and re-admit the rest one at a time."""
+        self.failed_steps += 1
+        log = logs.get("serve")
+        log.error(f"engine step failed ({type(error).__name__}: {error}); recovering its requests", exc_info=error)
+        try:
+            moved = self.engine.recover()
+        except Exception:  # noqa: BLE001 - the engine cannot even put them back: end them all
+            log.exception("engine recovery failed; ending every request")
+            self._fail_all(EngineFailed(f"the engine failed while decoding: {type(error).__name__}: {error}"))
+            self.engine.waiting.clear()
+            return
+        for rid, tokens in moved.items():  # tokens the failed step made before it raised are still valid
+            stream = self._streams.get(rid)
+            if stream is not None and len(tokens) > stream.sent:
+                self._put(stream, Chunk(tokens[stream.sent:]))
+                stream.sent = len(tokens)
+        # while isolating, the step's one newcomer (or the one on probation) is the only change to a batch that
+        # decoded fine without it
+        probing = self.engine.admit_limit is not None
+        admitted = self.engine.last_stats.admitted_ids
+        alone = admitted[0] if probing and len(admitted) == 1 else \
+            self._probation[0] if self._probation and self._probation[0] in moved else None
+        if alone is not None:
+            culprits = [alone]
+        else:
+            for rid in moved:
+                self._strikes[rid] = self._strikes.get(rid, 0) + 1
+            culprits = [rid for rid in moved if self._strikes[rid] >= MAX_STRIKES]
+        failure = EngineFailed(f"the engine failed while decoding this request: {type(error).__name__}: {error}")
+        for rid in culprits:
+            self._end(rid, failure)
+        self.charged += len(culprits)
+        waiting = {r.id for r in self.engine.waiting}
+        self._suspects = [rid for rid in moved if rid in waiting and rid not in culprits] + \
+            [rid for rid in self._suspects if rid in waiting and rid not in moved]
+        self._probation = []
+        self.engine.admit_limit = 1 if self._suspects else None
+        self._deliver({})
+
+    def _probate(self, stats: StepStats) -> None:
+        """After a good step: move the isolation after a failure along (see `_recover`)."""
+        if self._probation:
+            self._probation[1] -= 1
+            if self._probation[1] <= 0 or self._probation[0] not in {r.id for r in self.engine.slots}:
+                self._probation = []
+        if self._suspects:  # (one whose caller left is no longer waiting)
+            waiting = {r.id for r in self.engine.waiting}
+            self._suspects = [rid for rid in self._suspects if rid in waiting or rid in stats.admitted_ids]
+        for rid in stats.admitted_ids:
+            if rid in self._suspects:
+                self._suspects.remove(rid)
+                self._probation = [rid, PROBATION_STEPS - 1]
+        if self._probation:
+            self.engine.admit_limit = 0
+        else:
+            self.engine.admit_limit = 1 if self._suspects else None
+            if not self._suspects:
+                self._strikes.clear()
+
+    def _end(self, request_id: int, error: Exception) -> None:
+        """End one request with `error` (its stream gets it; the engine forgets it)."""
+        try:
+            if request_id not in self.engine.finished:
+                self.engine.abort(request_id)
+            self.engine.result(request_id)
+        except Exception:  # noqa: BLE001 - unknown to the engine, or the engine is broken: the stream still ends
+            pass
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            self._put(stream, error)
+
+    def _count(self, stats: StepStats, out: dict[int, list[int]]) -> None:
+        self.most_rows = max(self.most_rows, stats.rows)
+        counts = spec_counts(stats)
+        for key, value in (("steps", 1), (f"steps_{stats.mode}", 1), ("rows", stats.rows),
+                           ("tokens", sum(map(len, out.values()))), ("drafts", counts["drafts"]),
+                           ("draft_tokens", counts["draft_tokens"]), ("accepted", counts["accepted"])):
+            self.totals[key] = self.totals.get(key, 0) + value
+
+    def _drain(self) -> None:
+        """Carry out the commands sent since the last step (adds, aborts, calls); none of them can end the loop."""
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                self._command(command)
+            except Exception:  # noqa: BLE001 - a command that fails is that command's problem only
+                logs.get("serve").exception(f"engine command {command[0]!r} failed")
+
+    def _command(self, command: tuple) -> None:
+        kind = command[0]
+        if kind == "add":
+            _, prompt, params, stream, ticket = command
+            if not ticket.set_running_or_notify_cancel():
+                return  # the caller left before admission: nothing to add
+            try:
+                request_id = self.engine.add_request(prompt, params)
+            except FlexDraftError as e:
+                ticket.set_exception(e)
+                return
+            except Exception as e:  # noqa: BLE001 - whatever the engine refuses, it refuses this request only
+                ticket.set_exception(FlexDraftError(f"the engine refused the request: {type(e).__name__}: {e}"))
+                return
+            stream.request_id = request_id
+            self._streams[request_id] = stream
+            ticket.set_result(request_id)
+        elif kind == "abort":
+            rid = command[1].request_id
+            if rid is not None and self._streams.get(rid) is command[1]:
+                del self._streams[rid]
+                if rid not in self.engine.finished:
+                    self.engine.abort(rid)
+                self.engine.result(rid)
+                self.aborted += 1
+        elif kind == "call":
+            _, fn, ticket = command
+            if not ticket.set_running_or_notify_cancel():
+                return  # the caller gave up waiting
+            try:
+                ticket.set_result(fn(self.engine))
+            except Exception as e:  # noqa: BLE001 - the caller gets it
+                ticket.set_exception(e)
+        elif kind == "fault":
+            if command[1] == "loop":
+                raise _LoopKilled("injected loop fault")
+            self._fault = command[1]
+
+    def _put(self, stream: _Stream, item) -> None:
+        try:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+        except Exception:  # noqa: BLE001 - the caller's event loop is closed: nobody is listening
+            pass
+
+    def _deliver(self, out: dict[int, list[int]]) -> None:
+        for request_id, tokens in out.items():
+            stream = self._streams.get(request_id)
+            if stream is not None and tokens:
+                stream.sent += len(tokens)
+                self._put(stream, Chunk(tokens))
+        for request_id in [r for r in self.engine.finished if r in self._streams]:
+            self._put(self._streams.pop(request_id), Chunk([], self.engine.result(request_id)))
+
+    def _fail_all(self, error: Exception) -> None:
+        for request_id in list(self._streams):
+            self._end(request_id, error)
+        self._streams.clear()

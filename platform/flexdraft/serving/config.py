@@ -1,0 +1,104 @@
+"""What one replica serves (Serve's `user_config`, `ServeConfig`), building its engine, applying live policy
+changes, and the fail-closed rule for serving beyond loopback."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+
+from flexdraft.core import logs
+from flexdraft.core.config import RuntimeConfig, from_dict
+from flexdraft.core.errors import FlexDraftError
+from flexdraft.engine.config import EngineConfig
+from flexdraft.engine.engine import Engine
+from flexdraft.speculative.policy_file import POLICY_KEYS
+
+# EngineConfig fields a live engine takes between two steps (policy knobs); any other change needs a new engine
+LIVE_KNOBS = ("switch_batch", "top_m", "rho", "calibrate", "cost_model")
+
+
+@dataclass
+class ServeConfig:
+    """What one replica serves (Serve's `user_config`): the model, the drafter, the runtime and the engine."""
+    model: str = "smollm2"
+    drafter: str = ""  # "" = the default pipeline's if trained, else no drafter (see `build`); a folder; "init"
+    store: str = ""  # n-gram store of lookup steps: "" = the default pipeline's distilled data, a file, "none"
+    served_model_name: str = ""  # the `model` clients name ("" = the model source's name)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    engine: dict = field(default_factory=dict)  # EngineConfig fields (mode, switch_batch, max_batch, ...)
+    policy: str = ""  # a policy file from `flexdraft sweep`: it sets mode, S, B', pruning per live batch size
+    default_max_tokens: int = 256  # new tokens of a request that names no max_tokens
+    api_key_env: str = "FLEXDRAFT_API_KEY"  # when this variable is set, requests need `Authorization: Bearer <it>`
+    mlflow_every_s: float = 30.0  # a serving run in MLflow, a point every this many seconds (0 = none)
+    request_timeout_s: float = 600.0  # a request still decoding after this long ends with 504 (its row freed)
+    drain_timeout_s: float = 60.0  # a reconfigure that needs a new engine lets the old one finish this long
+    max_body_bytes: int = 1 << 20  # larger request bodies get 413 before they are read whole
+    insecure: bool = False  # serve beyond loopback without an API key (refused otherwise: fail closed)
+
+    def __post_init__(self):
+        self.engine_config()  # unknown engine keys and wrong types, named
+        both = [k for k in POLICY_KEYS if k in self.engine] if self.policy else []
+        if both:
+            raise FlexDraftError(f"user_config.engine.{both[0]} is set by the policy file {self.policy}: remove "
+                                 f"{', '.join(both)} from engine (or the policy)")
+
+        if self.request_timeout_s <= 0 or self.drain_timeout_s < 0 or self.max_body_bytes < 1024:
+            raise FlexDraftError("request_timeout_s must be > 0, drain_timeout_s >= 0 and max_body_bytes >= 1024")
+
+    def engine_config(self) -> EngineConfig:
+        return from_dict(EngineConfig, self.engine, ".engine")
+
+    def needs_new_engine(self, other: "ServeConfig") -> bool:
+        """Whether going from `other` to this config changes more than the live knobs."""
+        a, b = dataclasses.asdict(self), dataclasses.asdict(other)
+        for d in (a, b):
+            d["engine"] = {k: v for k, v in d["engine"].items() if k not in LIVE_KNOBS}
+        return a != b
+
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def check_exposure(cfg: ServeConfig, host: str | None, environ=os.environ) -> None:
+    """Fail closed: serving on a non-loopback address (or one not known) needs an API key in
+    `cfg.api_key_env`, unless `cfg.insecure` says otherwise."""
+    if environ.get(cfg.api_key_env) or cfg.insecure or (host is not None and host in LOOPBACK_HOSTS):
+        return
+    raise FlexDraftError(f"refusing to serve on {host or 'an unknown address'} without an API key: set "
+                         f"${cfg.api_key_env} in the replicas' environment (flexdraft serve forwards it), bind to "
+                         "127.0.0.1, or set user_config.insecure: true (flexdraft serve --insecure)")
+
+
+def build(cfg: ServeConfig):
+    """-> (loaded model, engine, a note saying what it serves). Without a drafter (none trained yet) an
+    adaptive config serves in lookup mode: prompt-lookup and n-gram-store drafts verified by the target, AR steps
+    where no row has a match; lossless and fast before anything is trained."""
+    from flexdraft.engine.runner import load_engine
+
+    ec = cfg.engine_config()
+    drafter = cfg.drafter or None
+    if ec.mode == "adaptive" and not cfg.drafter and not cfg.policy:
+        from flexdraft.drafter.recipe import default_drafter_dir
+
+        if not (default_drafter_dir() / "drafter.json").is_file():
+            ec.mode = "lookup"
+            logs.get("serve").info(f"no trained drafter ({default_drafter_dir()} does not exist): serving in lookup "
+                                   "mode (prompt lookup + n-gram store, AR steps elsewhere); train one with "
+                                   "`flexdraft pipeline`")
+    lm, engine, note = load_engine(cfg.model, cfg.runtime, drafter, ec, store_spec=cfg.store or None,
+                                   policy_spec=cfg.policy or None)
+    return lm, engine, note
+
+
+def apply_live(engine: Engine, cfg: ServeConfig) -> dict:
+    """Set the live knobs of `cfg.engine` on a running engine (on its thread: `AsyncEngine.call`) -> the changes."""
+    new = cfg.engine_config()
+    knobs = [k for k in LIVE_KNOBS if engine.policy is None or k not in POLICY_KEYS]  # (a policy's are its own)
+    changed = {k: getattr(new, k) for k in knobs if getattr(new, k) != getattr(engine.config, k)}
+    trial = dataclasses.replace(engine.config, **changed)  # checked whole before any of it is applied
+    trial.check(engine.drafter, engine.target.args.max_position_embeddings)
+    for k, v in changed.items():
+        setattr(engine.config, k, v)
+    engine.planner.switch_batch, engine.planner.cost_model = engine.config.switch_batch, engine.config.cost_model
+    engine.planner.forget_plans()
+    return changed

@@ -1,0 +1,72 @@
+"""A replica's serving run in MLflow: the AsyncEngine's rates over time."""
+from __future__ import annotations
+
+import threading
+import time
+
+from flexdraft.core import logs
+from flexdraft.serving.async_engine import AsyncEngine
+
+
+class MlflowReporter:
+    """A serving run in MLflow: the replica's config as params, then every `every_s` seconds the rates since the
+    last report (tokens/s, steps/s, mean batch, mean accepted length, mode shares) and the load, at step = seconds
+    since the start, so the dashboard shows the deployment over time. Its own thread; `stop()` ends the run."""
+
+    def __init__(self, engine: AsyncEngine, params: dict, run_name: str, tags: dict | None = None,
+                 experiment: str = "flexdraft-serve", every_s: float = 30.0):
+        from mlflow.tracking import MlflowClient
+
+        from flexdraft.core.tracking import experiment_id, flatten, ready_store
+
+        self.engine, self.every_s = engine, every_s
+        self.client = MlflowClient(ready_store())
+        exp_id = experiment_id(self.client, experiment)
+        self.run_id = self.client.create_run(exp_id, run_name=run_name, tags=tags or {}).info.run_id
+        for key, value in list(flatten(params).items())[:100]:
+            self.client.log_param(self.run_id, key, str(value)[:500])
+        self.t0 = time.time()
+        self._last = (self.t0, dict(engine.totals))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="flexdraft-mlflow", daemon=True)
+        self._thread.start()
+
+    def report(self) -> dict:
+        """Log one point now -> the metrics logged."""
+        now, totals = time.time(), dict(self.engine.totals)
+        t_prev, prev = self._last
+        self._last = (now, totals)
+        d = {k: totals.get(k, 0) - prev.get(k, 0) for k in totals}
+        dt, steps = max(now - t_prev, 1e-9), d.get("steps", 0)
+        metrics = {"serve/tokens_per_s": d.get("tokens", 0) / dt, "serve/steps_per_s": steps / dt,
+                   "serve/running": self.engine.engine.active, "serve/waiting": len(self.engine.engine.waiting),
+                   "serve/aborted_total": self.engine.aborted}
+        if steps:
+            metrics["serve/mean_batch"] = d.get("rows", 0) / steps
+            for key, value in d.items():
+                if key.startswith("steps_"):
+                    metrics[f"serve/mode_share/{key.removeprefix('steps_')}"] = value / steps
+        if d.get("drafts"):
+            metrics["spec_decode/mean_accepted_length"] = 1 + d["accepted"] / d["drafts"]
+            metrics["spec_decode/draft_acceptance_rate"] = d["accepted"] / max(d["draft_tokens"], 1)
+        from mlflow.entities import Metric
+
+        ts, step = int(now * 1000), int(now - self.t0)
+        self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), ts, step) for k, v in metrics.items()])
+        return metrics
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.every_s):
+            try:
+                self.report()
+            except Exception:  # noqa: BLE001 - a tracking hiccup must not stop serving
+                logs.get("serve").exception("MLflow report failed")
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        try:
+            self.report()
+            self.client.set_terminated(self.run_id)
+        except Exception:  # noqa: BLE001
+            logs.get("serve").exception("MLflow report failed")

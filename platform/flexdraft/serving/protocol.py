@@ -1,0 +1,91 @@
+"""The OpenAI request schemas FlexDraft serves, as pydantic models (the shape of vLLM's `protocol.py`): FastAPI
+validates request bodies with them and publishes them at /openapi.json. Every field is bounded by what the
+engine and torch beneath accept, not only by its JSON type (a seed torch cannot take, a NaN temperature, a
+string that is not Unicode text are refused here), and no type is coerced (`"10"` is not 10, `true` is not 1).
+Fields OpenAI defines that FlexDraft does not serve are accepted only at their no-op values (`openai_api`)."""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+from flexdraft.speculative.sampling import SEED_RANGE
+
+MAX_TEXT_CHARS = 1_000_000  # a prompt or message (the body limit bounds the whole request too)
+MAX_PROMPT_TOKENS = 1 << 20  # a token-id prompt; the engine's cache bounds it again per deployment
+MAX_STOP_CHARS = 256
+MAX_MESSAGES = 4096
+
+
+def _unicode(text: str) -> str:
+    """Valid Unicode only: JSON can carry lone surrogates (\\ud800) that no tokenizer encodes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("must be valid Unicode text (it holds a lone surrogate)") from None
+    return text
+
+
+Text = Annotated[str, Field(max_length=MAX_TEXT_CHARS), AfterValidator(_unicode)]
+Stop = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS), AfterValidator(_unicode)]
+TokenIds = Annotated[list[Annotated[int, Field(ge=0, lt=2 ** 31)]], Field(min_length=1, max_length=MAX_PROMPT_TOKENS)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Sampling(_Strict):
+    """What completions and chat completions share."""
+    model: Annotated[str, Field(max_length=256)] | None = None
+    max_tokens: Annotated[int, Field(ge=1, le=1 << 20)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2, allow_inf_nan=False)] | None = None  # < 1e-5: greedy
+    top_p: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] | None = None
+    top_k: Annotated[int, Field(ge=-1, le=2 ** 31 - 1)] | None = None  # -1 and 0: off
+    seed: Annotated[int, Field(ge=SEED_RANGE[0], le=SEED_RANGE[1])] | None = None
+    stop: Stop | Annotated[list[Stop], Field(max_length=4)] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: Annotated[str, Field(max_length=256)] | None = None
+    return_token_ids: bool = Field(False, description="FlexDraft extension: the generated token ids per choice")
+    # OpenAI fields FlexDraft does not serve: refused unless at their no-op value (openai_api.UNSUPPORTED)
+    n: int | None = None
+    best_of: int | None = None
+    logprobs: bool | int | None = None
+    top_logprobs: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+class CompletionRequest(_Sampling):
+    """POST /v1/completions. `prompt`: text, token ids, or a batch of exactly one of either."""
+    prompt: Text | TokenIds | Annotated[list[Text | TokenIds], Field(min_length=1, max_length=64)]
+    echo: bool | None = None
+    suffix: str | None = None
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: Text
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "user", "assistant"]
+    content: Text | Annotated[list[TextPart], Field(max_length=1024)]
+    name: Annotated[str, Field(max_length=256)] | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    """POST /v1/chat/completions."""
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    max_completion_tokens: Annotated[int, Field(ge=1, le=1 << 20)] | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[Any] | None = None
+    function_call: str | dict[str, Any] | None = None

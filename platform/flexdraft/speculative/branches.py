@@ -1,0 +1,199 @@
+"""The adaptive policy's models: how many drafts get accepted (`AcceptanceModel`), what a forward costs
+(`CostModel`), and what one step does (`Plan`). The engine asks them; they know nothing of the engine."""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from flexdraft.speculative.lookup import PRIOR_ACCEPTED, STORE_PRIOR_ACCEPTED
+
+
+def monotone(points: dict[tuple[int, int], float]) -> dict[tuple[int, int], float]:
+    """{(rows, tokens per row): seconds} -> the same with each value at most that of every point with as many or
+    more rows and tokens."""
+    return {(n, t): min(s for (n2, t2), s in points.items() if n2 >= n and t2 >= t) for (n, t) in points}
+
+
+class AcceptanceModel:
+    """Running estimate of P(draft j accepted | drafts 1..j-1 accepted) for sequential (bonus known), tree
+    (bonus known, a token tree verified) and parallel (masked slot 0, calibrated) drafts. Prior, worth
+    `weight` verified blocks: a constant rate r per draft whose expected accepted length sum_j r^j matches
+    the drafter's validation tau (bonus / mask calibrated / tree of N nodes) when it has one, else r = 0.5.
+    Without a validation tau for its size, a tree of N nodes starts from the sequential prior's expected
+    accepted drafts times 1 + 0.13 log2(N / 4): what trees of 8 / 16 / 32 nodes added over the chain on the
+    default SmolLM2 drafter's validation split (+13% / +25% / +35%, 1,856 blocks). Prompt-lookup drafts count
+    apart by the size n of the n-gram that matched (kind `lookup<n>`, from `lookup.PRIOR_ACCEPTED`; a store chain
+    verified beside them counts there too), store drafts of rows without a prompt match by the size behind
+    their first draft (kind `store<n>`, from `lookup.STORE_PRIOR_ACCEPTED`)."""
+
+    KINDS = ("sequential", "tree", "parallel")
+
+    def __init__(self, block: int, prior: dict | None = None, weight: float = 20.0, tree_nodes: int = 8):
+        self.block, self.weight = block, weight
+        self.tried = {k: torch.full((block,), weight, dtype=torch.float64) for k in self.KINDS}
+        self.passed = {}
+        prior = prior or {}
+        for kind, key in (("sequential", "bonus"), ("tree", "bonus"), ("parallel", "mask_calibrated")):
+            tau = prior.get(f"eval/{key}/tau")
+            rate = self._rate_for(tau - 1, block) if tau else 0.5
+            if kind == "tree":
+                tree_tau = prior.get(f"eval/bonus/tau_tree{tree_nodes}")
+                gain = 1 + 0.13 * math.log2(max(tree_nodes, 4) / 4)
+                accepted = tree_tau - 1 if tree_tau else gain * sum(rate ** j for j in range(1, block + 1))
+                rate = self._rate_for(accepted, block)
+            self.passed[kind] = torch.full((block,), weight * rate, dtype=torch.float64)
+
+    @staticmethod
+    def _rate_for(mean_accepted: float, block: int) -> float:
+        """r in [0, 1) with sum_{j=1..block} r^j = mean_accepted (bisection)."""
+        lo, hi = 0.0, 0.999
+        for _ in range(50):
+            mid = (lo + hi) / 2
+            if sum(mid ** j for j in range(1, block + 1)) < mean_accepted:
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+    def _lookup_kind(self, kind: str) -> None:
+        if kind not in self.tried:  # lookup<n> / store<n>: a rate whose expected accepted of 8 drafts is the prior's
+            prior = STORE_PRIOR_ACCEPTED if kind.startswith("store") else PRIOR_ACCEPTED
+            size = int(kind.removeprefix("store").removeprefix("lookup"))
+            rate = self._rate_for(prior[min(max(size, min(prior)), max(prior))], 8)
+            self.tried[kind] = torch.full((self.block,), self.weight, dtype=torch.float64)
+            self.passed[kind] = self.tried[kind] * rate
+
+    def record(self, kind: str, block: int, accepted: list[int]) -> None:
+        self._lookup_kind(kind)
+        for a in accepted:
+            n = min(a + 1, block)  # drafts 1..a passed, draft a+1 (if any) failed
+            self.tried[kind][:n] += 1
+            self.passed[kind][:a] += 1
+
+    def expected_accepted(self, kind: str, block: int) -> float:
+        return float(self._at_least(kind, block)[1:].sum())
+
+    def length_distribution(self, kind: str, block: int) -> torch.Tensor:
+        """[block + 1]: P(accepted = a) for a = 0..block."""
+        ge = self._at_least(kind, block)
+        return ge - torch.cat((ge[1:], ge.new_zeros(1)))
+
+    def _at_least(self, kind: str, block: int) -> torch.Tensor:
+        """[block + 1]: P(accepted >= a) for a = 0..block."""
+        self._lookup_kind(kind)
+        rate = self.passed[kind][:block] / self.tried[kind][:block]
+        return torch.cat((rate.new_ones(1), rate.cumprod(0)))
+
+
+class CostModel:
+    """Seconds of a forward of each kind ("target": AR or verify, "draft": a sequential drafter pass,
+    "parallel": verify + branches) as a function of the rows it carries and the tokens per row, on this device
+    (not of total tokens: a 16-row verify of 2 tokens each costs other than 4 rows x 9 tokens).
+
+    `Engine.profile` measures each kind over a grid of row counts x tokens per row; between grid points the
+    time is linear in tokens per row along a measured row count, then linear in rows between the two nearest
+    row counts (beyond the largest: proportional to rows). The profile fixes the *relative* costs the policy
+    compares. Timed forwards while serving only move one common `scale` (how loaded the machine is now), never
+    one kind alone: a burst of noise during a few AR steps must not make the policy lock onto a mode it then
+    never re-measures against. Without a profile, timed forwards fill the grid directly."""
+
+    KINDS = ("target", "draft", "parallel")
+
+    def __init__(self):
+        self.points: dict[str, dict[tuple[int, int], float]] = {k: {} for k in self.KINDS}  # (rows, tokens) -> s
+        self.profiled = False
+        self.scale = 1.0
+        # mode -> seconds per step outside the forwards (acceptance, sampling, branch choice, bookkeeping). They
+        # differ: at batch 1 on the 2-core CPU 0.3 ms for AR, 1.2 ms sequential, 3 ms parallel (top 2), and a
+        # shared estimate made AR look ~2.5 ms dearer than it is next to ~20 ms forwards
+        self.step_overhead: dict[str, float] = {}
+
+    def record_step(self, mode: str, seconds: float, forward_seconds: float) -> None:
+        x = max(seconds - forward_seconds, 0.0)
+        old = self.step_overhead.get(mode)
+        self.step_overhead[mode] = x if old is None else 0.9 * old + 0.1 * x
+
+    def overhead(self, mode: str) -> float:
+        """A mode not run yet borrows the smallest overhead seen (optimistic: it gets tried, then measured)."""
+        return self.step_overhead.get(mode, min(self.step_overhead.values(), default=0.0))
+
+    def set_profile(self, points: dict[str, dict[tuple[int, int], float]]) -> None:
+        self.points = {k: dict(points.get(k, {})) for k in self.KINDS}
+        self.profiled, self.scale = True, 1.0
+
+    def save_profile(self, path: Path) -> None:
+        """The measured points as JSON: {kind: {"<rows>x<tokens per row>": seconds}}."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({k: {f"{rows}x{tokens}": t for (rows, tokens), t in pts.items()}
+                                    for k, pts in self.points.items()}))
+
+    def load_profile(self, path: Path) -> None:
+        points = json.loads(path.read_text())
+        self.set_profile({k: {tuple(map(int, key.split("x"))): t for key, t in points[k].items()}
+                          for k in self.KINDS})
+
+    def record(self, kind: str, rows: int, tokens: int, seconds: float) -> None:
+        """A timed forward of `rows` rows x `tokens` tokens each."""
+        if self.profiled:
+            self.scale = 0.95 * self.scale + 0.05 * seconds / max(self._interpolate(kind, rows, tokens), 1e-9)
+            return
+        pts = self.points[kind]
+        old = pts.get((rows, tokens))
+        pts[(rows, tokens)] = seconds if old is None else 0.8 * old + 0.2 * seconds
+
+    def known(self, kind: str) -> bool:
+        return bool(self.points[kind])
+
+    def seconds(self, kind: str, rows: int, tokens: int) -> float:
+        return self.scale * self._interpolate(kind, rows, tokens)
+
+    def _interpolate(self, kind: str, rows: int, tokens: int) -> float:
+        counts = sorted({r for r, _ in self.points[kind]})
+        lo, hi = [r for r in counts if r <= rows], [r for r in counts if r >= rows]
+        if not hi:  # more rows than ever measured: proportional
+            return self._along(kind, lo[-1], tokens) * rows / lo[-1]
+        if not lo:
+            return self._along(kind, hi[0], tokens)
+        a, b = self._along(kind, lo[-1], tokens), self._along(kind, hi[0], tokens)
+        return a if lo[-1] == hi[0] else a + (b - a) * (rows - lo[-1]) / (hi[0] - lo[-1])
+
+    def _along(self, kind: str, rows: int, tokens: int) -> float:
+        """Piecewise linear in tokens per row over the sizes measured at this row count (extended linearly)."""
+        line = sorted((t, s) for (r, t), s in self.points[kind].items() if r == rows)
+        if len(line) == 1:
+            return line[0][1] * max(tokens / line[0][0], 1.0)
+        i = next((i for i in range(1, len(line) - 1) if tokens <= line[i][0]), len(line) - 1)
+        (t0, s0), (t1, s1) = line[i - 1], line[i]
+        return max(s0 + (s1 - s0) * (tokens - t0) / (t1 - t0), 0.0)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one step does: mode, drafts verified per row (tree: the tree's depth at most), and (parallel) the
+    most branches kept per row."""
+    mode: str
+    block: int = 0
+    branches: int = 0  # 0 = as the config's top_m / rho decide
+
+
+def branch_anchors(conf: torch.Tensor, rho: float = 1.0, top_m: int = 0, cap: int = 0) -> torch.Tensor:
+    """Selective verification: draft confidences conf [n, Bv] (q_j(d_j)) -> per row the accepted lengths a (branch
+    anchors) most probable under P(accept >= a) = prod_{j<=a} c_j and P(accept = a) = P(>= a) (1 - c_{a+1}),
+    [n, m], most probable first. m: every length (Bv + 1), or as few as cover `rho` of the mass in every row, at
+    most top_m and cap (0 = no limit)."""
+    n, Bv = conf.shape
+    c = conf.double()
+    ge = torch.cat((torch.ones(n, 1, dtype=c.dtype, device=c.device), c.cumprod(-1)), dim=1)  # [n, Bv+1]
+    eq = ge * (1 - torch.cat((c, torch.zeros_like(c[:, :1])), dim=1))
+    m = Bv + 1
+    if rho < 1:
+        mass = eq.sort(-1, descending=True).values.cumsum(-1)
+        m = int((mass < rho * eq.sum(-1, keepdim=True)).sum(-1).max()) + 1
+    for limit in (top_m, cap):
+        if limit:
+            m = min(m, limit)
+    return eq.topk(min(m, Bv + 1), dim=-1).indices

@@ -1,0 +1,137 @@
+"""The adaptive policy: which plan (AR, sequential, tree, parallel or lookup; drafts per row; branches) promises
+the most tokens per second for the live batch, from the acceptance model (tokens) and the cost model (seconds).
+It sees only numbers (rows, rows without drafts, per-row lookup kinds), never requests or the engine; the
+engine proposes the lookup drafts and carries the plan out."""
+from __future__ import annotations
+
+from flexdraft.speculative.branches import AcceptanceModel, CostModel, Plan, monotone
+from flexdraft.speculative.trees import trie_nodes
+
+# A lookup step replaces a planned AR step only if it promises 50% more tokens/s: with long contexts a
+# multi-token verify costs more, next to a one-token step, than the profile (taken at 256 cached tokens) says
+# (docs/decoding.md). Against a speculative plan (a multi-token verify too) the bias cancels: no margin.
+LOOKUP_MARGIN = 1.5
+REPLAN_STEPS = 16  # a cached plan is re-priced after this many steps (costs and acceptance drift slowly)
+
+
+class Planner:
+    """Plans steps for `block` drafts per row at most. `trees`: tree steps may be weighed (tree_nodes: the largest);
+    `switch_batch` (S): parallel plans only at <= S rows, and the rule without a cost model (parallel at <= S
+    rows, sequential above). A step's `band` (`policy_file.Band`, a function of the live rows) caps the drafts
+    (`block`) and sets the tree's nodes (0: no tree steps)."""
+
+    def __init__(self, block: int, switch_batch: int, tree_nodes: int, trees: bool, cost_model: bool,
+                 acceptance_prior: dict | None = None):
+        self.B, self.switch_batch, self.tree_nodes, self.trees = block, switch_batch, tree_nodes, trees
+        self.cost_model = cost_model
+        self.acceptance = AcceptanceModel(max(block, 1), acceptance_prior, tree_nodes=tree_nodes)
+        self.costs = CostModel()
+        self._plans: dict[tuple[int, int], tuple[Plan, float, int]] = {}  # (rows, fresh) -> plan, tokens/s, step
+
+    def forget_plans(self) -> None:
+        """Re-price every plan at its next use (after a knob changed)."""
+        self._plans.clear()
+
+    def ready(self) -> bool:
+        """Whether plans are priced (a cost model with every kind measured), not the rule alone."""
+        return self.cost_model and all(self.costs.known(k) for k in CostModel.KINDS)
+
+    @staticmethod
+    def block_sizes(block: int) -> list[int]:
+        """The drafts per row a plan of at most `block` drafts weighs."""
+        return sorted({1, 2, 4, block} & set(range(1, block + 1)))
+
+    def adaptive(self, n: int, fresh: int, step: int, band) -> tuple[Plan, float | None]:
+        """The plan for n rows, `fresh` of them without drafts (fresh, pruned, after AR or lookup), at engine step
+        `step`, within the rows' band -> (plan, its expected tokens/s; None when the rule chose it)."""
+        rule = "parallel" if n <= self.switch_batch else "sequential"
+        if not self.ready():
+            return Plan(rule, band.block or self.B), None
+        key = (n, fresh)  # (the band is a function of n)
+        if key not in self._plans or step - self._plans[key][2] >= REPLAN_STEPS:
+            self._plans[key] = (*self.best(n, fresh, rule, band), step)
+        plan, rate, _ = self._plans[key]
+        return plan, rate
+
+    def best(self, n: int, fresh: int, rule: str, band) -> tuple[Plan, float]:
+        """-> the best plan for n rows, `fresh` of them without drafts, and its expected tokens per second."""
+        B, acc, costs = band.block or self.B, self.acceptance, self.costs
+        best, best_rate = Plan("ar"), n / (costs.seconds("target", n, 1) + costs.overhead("ar"))
+        for Bv in self.block_sizes(B):
+            tokens = n * (1 + acc.expected_accepted("sequential", Bv))
+            rate = tokens / (costs.seconds("target", n, Bv + 1) + costs.seconds("draft", n, Bv + 1)
+                             + costs.overhead("sequential"))
+            if rate > best_rate:
+                best, best_rate = Plan("sequential", Bv), rate
+        if self.trees and band.tree_nodes:
+            rate = n * (1 + acc.expected_accepted("tree", B)) / (
+                costs.seconds("target", n, band.tree_nodes + 1) + costs.seconds("draft", n, B + 1)
+                + costs.overhead("tree"))
+            if rate > best_rate:
+                best, best_rate = Plan("tree", B), rate
+        for Bv in (self.block_sizes(B) if rule == "parallel" else ()):
+            p_len = acc.length_distribution("parallel", Bv).sort(descending=True).values
+            # rows without drafts get a sequential drafter pass first (bonus-known drafts) and pay for it
+            tokens = ((n - fresh) * (1 + acc.expected_accepted("parallel", Bv))
+                      + fresh * (1 + acc.expected_accepted("sequential", Bv)))
+            first = costs.seconds("draft", fresh, Bv + 1) if fresh else 0.0
+            for m in sorted({1, 2, 3, Bv + 1} & set(range(1, Bv + 2))):
+                miss = max(0.0, 1 - float(p_len[:m].sum()))  # a pruned branch: a drafter pass next step
+                seconds = (first + costs.seconds("parallel", n, (Bv + 1) * (1 + m)) + costs.overhead("parallel")
+                           + miss * costs.seconds("draft", n, Bv + 1))
+                if tokens / seconds > best_rate:
+                    best, best_rate = Plan("parallel", Bv, m), tokens / seconds
+        return best, best_rate
+
+    def lookup(self, options: list[list[tuple[list[list[int]], str | None]]], critical: list[int] | None,
+               rate_to_beat: float, block: int) -> tuple[Plan, int] | None:
+        """The best lookup step over `options` (each: per row its chains and acceptance kind, None without a match)
+        with 1/2/4/`block` drafts per row, if one promises more than rate_to_beat tokens/s -> (plan, index of the
+        option). Rows without a match still get one token. `critical`: the rows that set when the batch drains
+        (None while requests wait): then a step counts n times the tokens of its poorest critical row."""
+        best, best_rate = None, rate_to_beat
+        for i, proposals in enumerate(options):
+            n = len(proposals)
+            kinds = [kind for _, kind in proposals]
+            for Bv in self.block_sizes(block):
+                expected = {k: self.acceptance.expected_accepted(k, Bv) for k in set(kinds) - {None}}
+                extra = [expected[k] if k else 0.0 for k in kinds]  # per row
+                tokens = n + (sum(extra) if critical is None else n * min(extra[r] for r in critical))
+                # verify tokens after the bonus: Bv for chains (one has at most Bv nodes), a trie's nodes
+                nodes = max([Bv] + [len(trie_nodes([c[:Bv] for c in cs])) for cs, _ in proposals if len(cs) > 1])
+                seconds = self.costs.seconds("target", n, nodes + 1) + self.costs.overhead("lookup")
+                if tokens / seconds > best_rate:
+                    best, best_rate = (Plan("lookup", Bv), i), tokens / seconds
+        return best
+
+
+def profile_shapes(max_batch: int, block: int, switch_batch: int, tree_nodes: list[int]) -> list[tuple[str, int, int, int]]:
+    """The forwards the planner prices, as (kind, rows, tokens per row, branches): target forwards of 1 token
+    (AR), the verify blocks weighed, trees (of each size in tree_nodes) and a lookup trie of two chains (measured with or
+    without a store: engines that differ only in their store share one profile); drafter passes; parallel
+    forwards at <= switch_batch rows."""
+    rows = [n for n in (1, 2, 4, 8, 16, 32, 64) if n <= max_batch]
+    blocks = sorted({2, 3, 5, block + 1} & set(range(2, block + 2)))  # the block lengths the policy weighs
+    verify = sorted({1, *blocks, 2 * block + 1} | {t + 1 for t in tree_nodes if t})
+    shapes = [("target", n, T, 0) for n in rows for T in verify]
+    shapes += [("draft", n, T, 0) for n in rows for T in blocks]
+    S = min(switch_batch, max_batch)
+    shapes += [("parallel", n, block + 1, m) for n in (1, 2, 4) if n <= max(S, 1) for m in (1, 2, block + 1)]
+    shapes += [("parallel", 1, T, 1) for T in blocks[:-1]]  # the smallest verify + branch forwards
+    return shapes
+
+
+def measure(shapes: list[tuple[str, int, int, int]], timer, rounds: int) -> dict:
+    """{kind: {(rows, tokens per row incl. branches): seconds}} from timer(kind, rows, tokens, branches).
+
+    A round runs every shape once; the first warms up, and each shape keeps its fastest run of the other
+    `rounds` (noise only adds). Rounds, not runs of one shape back to back: on a shared machine a slow spell
+    lasts a few forwards or seconds and would catch every run of the shapes it fell on (docs/decoding.md).
+    Then no shape costs more than one with as many or more rows and tokens (`monotone`)."""
+    points: dict = {k: {} for k in CostModel.KINDS}
+    for r in range(rounds + 1):
+        for kind, n, T, m in shapes:
+            seconds, key = timer(kind, n, T, m), (n, T * (1 + m))
+            if r:
+                points[kind][key] = min(seconds, points[kind].get(key, seconds))
+    return {kind: monotone(pts) for kind, pts in points.items()}

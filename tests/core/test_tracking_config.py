@@ -1,0 +1,110 @@
+"""Tracking records config, commit and hardware; configs are strict dataclasses."""
+from dataclasses import dataclass, field
+
+import pytest
+
+from conftest import REPO
+from flexdraft.core.config import RuntimeConfig, from_dict
+from flexdraft.core.errors import FlexDraftError
+
+
+def test_run_records_config_commit_and_hardware(mlflow_uri):
+    """A run holds its flattened config, the commit and the hardware; its experiment is of the kind MLflow's UI
+    opens on runs and metrics (not GenAI traces)."""
+    import mlflow
+
+    from flexdraft.core.tracking import start_run
+
+    with start_run("unit-test", {"model": "tiny", "runtime": {"threads": 1}}) as run:
+        mlflow.log_metric("tokens_per_s", 12.5)
+    got = mlflow.MlflowClient(mlflow_uri).get_run(run.info.run_id)
+    assert got.data.params == {"model": "tiny", "runtime.threads": "1"}
+    assert got.data.metrics["tokens_per_s"] == 12.5
+    tags = got.data.tags
+    assert tags["git_commit"] != "" and tags["hw.cpu_count"].isdigit() and tags["hw.torch"].startswith("2.")
+    assert "hw.cpu" in tags
+    exp = mlflow.MlflowClient(mlflow_uri).get_experiment(got.info.experiment_id)
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
+
+
+def test_processes_opening_a_new_store_at_once_all_get_it(tmp_path):
+    """Three processes (replicas starting together) create the same new SQLite store and the same experiment at
+    once: each gets the store and one shared experiment, none fails in MLflow's schema migration."""
+    import subprocess
+    import sys
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    code = ("from mlflow.tracking import MlflowClient; from flexdraft.core.tracking import experiment_id, ready_store; "
+            f"print(experiment_id(MlflowClient(ready_store({uri!r})), 'flexdraft-serve'))")
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(3)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], [err[-2000:] for _, err in outs]
+    assert len({out.strip() for out, _ in outs}) == 1
+
+
+@dataclass
+class Inner:
+    lr: float = 1e-3
+    layers: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Outer:
+    name: str = "x"
+    inner: Inner = field(default_factory=Inner)
+
+
+def test_config_from_dict_nested_and_strict():
+    """Nested sections fill their missing keys from the field's default (not the nested class's), an int for a
+    float field becomes a float (the shipped YAML then hashes to the embedded defaults' run keys: `flexdraft
+    pipeline` with and without `--config configs/smollm2.yaml` share their results, which `make demo` then uses),
+    and unknown keys or wrong types name the key."""
+    cfg = from_dict(Outer, {"name": "y", "inner": {"lr": 1, "layers": [1, 2]}})
+    assert cfg.inner.lr == 1 and isinstance(cfg.inner.lr, float) and cfg.inner.layers == [1, 2]
+    from flexdraft.training.jobs import run_key
+    from flexdraft.drafter.recipe import PipelineConfig, load_pipeline_config
+
+    shipped = load_pipeline_config(REPO / "configs" / "smollm2.yaml")
+    for stage in ("attention", "calibration"):
+        assert run_key(shipped, stage) == run_key(PipelineConfig(), stage)
+
+    cfg = from_dict(PipelineConfig, {"calibration": {"lr": 3e-3}})
+    assert cfg.calibration.lr == 3e-3 and cfg.calibration.steps == PipelineConfig().calibration.steps == 200
+    with pytest.raises(FlexDraftError, match=r"config.inner: unknown key\(s\) lrr"):
+        from_dict(Outer, {"inner": {"lrr": 1}})
+    with pytest.raises(FlexDraftError, match=r"config.inner.lr: expected float, got 'fast'"):
+        from_dict(Outer, {"inner": {"lr": "fast"}})
+    with pytest.raises(FlexDraftError, match=r"config.inner.layers"):
+        from_dict(Outer, {"inner": {"layers": [1, "a"]}})
+
+
+def test_runtime_refuses_fp16_on_cpu_and_unknown_device():
+    with pytest.raises(FlexDraftError, match="float16 is GPU-only"):
+        RuntimeConfig(device="cpu", dtype="float16").torch_dtype()
+    with pytest.raises(FlexDraftError, match="cpu_attention must be auto, sdpa or math, got 'flash'"):
+        RuntimeConfig(device="cpu", cpu_attention="flash").apply()
+    assert RuntimeConfig(device="cpu").torch_dtype().is_floating_point
+
+
+def test_every_shipped_config_loads(real_folder):
+    """configs/**/*.yaml stay valid as the dataclasses change, strictly loaded: pipeline configs (drafter checked
+    against SmolLM2) and the harness configs of configs/bench/, which equal the embedded defaults where they
+    claim to."""
+    import json
+
+    from flexdraft.evaluation.harness import HarnessConfig, load_harness_config
+    from flexdraft.models.config import ModelArgs
+    from flexdraft.drafter.recipe import PipelineConfig, load_pipeline_config
+
+    args = ModelArgs.from_hf_config(json.loads((real_folder / "config.json").read_text()))
+    configs = REPO / "configs"
+    bench = sorted((configs / "bench").glob("*.yaml"))
+    pipelines = sorted(set(configs.rglob("*.yaml")) - set(bench))
+    assert len(pipelines) >= 4 and {f.name for f in bench} >= {"default.yaml", "full.yaml", "gpu.yaml"}
+    for f in pipelines:
+        load_pipeline_config(f).drafter.check(args)
+    for f in bench:
+        load_harness_config(f)
+    assert load_harness_config(configs / "bench" / "default.yaml") == HarnessConfig()
+    assert load_pipeline_config(configs / "smollm2.yaml") == PipelineConfig()

@@ -1,0 +1,118 @@
+"""The benchmark harness: the dataset registry, and one small real run whose every FlexDraft output equals our
+AR's in fp32, with its report, plots and MLflow run."""
+import json
+
+import mlflow
+import pytest
+
+from flexdraft.cli.main import main
+from flexdraft.core.data import BENCH_DATASETS, bench_prompts, check_datasets
+from flexdraft.core.errors import FlexDraftError
+from flexdraft.evaluation.harness import METHODS, HarnessConfig, run_harness
+
+
+def test_registry_sizes_and_unavailable_sets():
+    """GSM8K test 1,319, HumanEval 164, MT-Bench 80 x 2 turns; MATH and MBPP are reported, never substituted."""
+    sizes = {name: [len(item) for item in d.items()] for name, d in BENCH_DATASETS.items()}
+    assert {k: len(v) for k, v in sizes.items()} == {"gsm8k": 1319, "humaneval": 164, "mt-bench": 80}
+    assert set(sizes["mt-bench"]) == {2} and set(sizes["gsm8k"]) == set(sizes["humaneval"]) == {1}
+    assert check_datasets(["gsm8k", "math", "mbpp"]) == ["gsm8k"]
+    with pytest.raises(FlexDraftError, match="unknown dataset.*gsm9k"):
+        check_datasets(["gsm9k"])
+    with pytest.raises(FlexDraftError, match="math is unavailable"):
+        bench_prompts("math", None, 2, 0)
+
+
+def test_seeded_samples_and_mt_bench_second_turn_after_own_answer(real_lm):
+    """The same seed gives the same prompts, another seed others; an MT-Bench item gives its two turns in a
+    row, the second asked after the model's own first answer."""
+    tok = real_lm.tokenizer
+    a, b, c = (bench_prompts("gsm8k", tok, 5, seed) for seed in (1, 1, 2))
+    assert [p.ids for p in a] == [p.ids for p in b] and [p.ids for p in a] != [p.ids for p in c]
+    answers = []
+
+    def answer(prompts):
+        answers.append(len(prompts))
+        return [tok(f"MY-ANSWER-{i}")["input_ids"] for i in range(len(prompts))]
+
+    mt = bench_prompts("mt-bench", tok, 3, seed=0, answer=answer)
+    assert [(p.turn, p.item == mt[0].item) for p in mt] == [(0, True), (1, True), (0, False)]
+    assert answers == [2]  # one batched call for the first turns of the two sampled items
+    turns = BENCH_DATASETS["mt-bench"].items()[mt[0].item]
+    text = tok.decode(mt[1].ids)
+    assert text.index(turns[0]) < text.index("MY-ANSWER-0") < text.index(turns[1])
+    assert mt[1].ids[:len(mt[0].ids) - 3] == mt[0].ids[:len(mt[0].ids) - 3]  # same conversation, continued
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    ({"methods": ["ar", "medusa"]}, "unknown method(s) medusa"),
+    ({"datasets": ["math"]}, "no available dataset"),
+    ({"batch_sizes": [0, 4]}, "batch_sizes must be >= 1"),
+    ({"samples": 0}, "samples must be >= 1"),
+    ({"temperature": -0.5}, "temperature must be >= 0"),
+])
+def test_bad_harness_config_names_the_problem(tmp_path, capsys, overrides, needle):
+    import yaml
+
+    f = tmp_path / "bench.yaml"
+    f.write_text(yaml.safe_dump(overrides))
+    assert main(["bench", "--config", str(f)]) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_harness_run_is_lossless_and_complete(tmp_path, mlflow_uri, tiny_smollm2):
+    """A tiny model with SmolLM2's tokenizer, fp32, untrained drafter, MT-Bench (two-turn prompts; MATH listed
+    too) x batch 1, 2 x every method: every FlexDraft row equals our AR token for token; every cell has a row
+    (prompt lookup and the all-branch parallel rows skipped above batch 1, with their reasons); the report names
+    the unavailable set; plots and results are logged to MLflow."""
+    cfg = HarnessConfig(model=str(tiny_smollm2), drafter="init", dtype="float32", threads=1,
+                        datasets=["mt-bench", "math"], samples=2, batch_sizes=[1, 2], max_new_tokens=8,
+                        answer_tokens=8, all_branches_max_batch=1, profile=True, output_dir=str(tmp_path / "out"))
+    results = run_harness(cfg)
+    rows = results["rows"]
+    assert {(r["dataset"], r["batch"], r["method"]) for r in rows} == {
+        ("mt-bench", b, m) for b in (1, 2) for m in METHODS}
+    ran = [r for r in rows if "skipped" not in r]
+    skipped = {(r["method"], r["batch"]): r["skipped"] for r in rows if "skipped" in r}
+    assert skipped.keys() == {("hf-prompt-lookup", 2), ("parallel", 2), ("parallel-uncalibrated", 2)}
+    assert "all_branches_max_batch" in skipped[("parallel", 2)]
+    for r in ran:
+        assert r["tokens"] > 0 and r["tok_s"] > 0 and r["prompts"] == 2
+        if METHODS[r["method"]].kind == "engine":
+            assert r["mismatched_rows"] == 0, r
+            assert abs(sum(r["mode_share"].values()) - 1) < 1e-9
+        if r["method"] == "ar":
+            assert r["speedup_ar"] == 1.0
+        if r["method"] == "ar-control":  # the noise floor's control: our AR again, so the same tokens
+            assert r["tokens"] == next(a for a in ran if a["method"] == "ar" and a["batch"] == r["batch"])["tokens"]
+    seq = [r for r in ran if r["method"] == "sequential"]
+    assert all(len(r["acceptance"]) == 8 and r["tau"] >= 1 for r in seq)
+
+    out = tmp_path / "out"
+    saved = json.loads((out / "results.json").read_text())
+    assert saved["unavailable"].keys() == {"math"} and saved["summary"]["ar"] == {"1": 1.0, "2": 1.0}
+    md = (out / "results.md").read_text()
+    assert "math (MATH" in md and "| mt-bench | 2 | adaptive |" in md and "One step, profiled" in md
+    assert "Noise floor: `ar-control`" in md and "over 2 cell(s)" in md and "float32 (sdpa attention)" in md
+    for png in ("speedup_vs_batch.png", "tau_hist.png", "acceptance.png"):
+        assert (out / png).read_bytes()[:4] == b"\x89PNG"
+    run = mlflow.search_runs(experiment_names=["flexdraft-bench"], output_format="list")[0]
+    assert run.data.metrics["mismatched_rows.mt-bench.parallel-pruned.b2"] == 0
+    names = {a.path for a in mlflow.MlflowClient().list_artifacts(run.info.run_id)}
+    assert {"results.md", "results.json", "speedup_vs_batch.png", "config.json"} <= names
+
+
+def test_sampled_harness_run_reports_speed_without_comparing_rows(tmp_path, mlflow_uri, tiny_smollm2):
+    """temperature > 0: the engine methods sample (speculative sampling), the transformers methods are skipped
+    with the reason, rows are not compared with AR's (mismatched n/a), and the report says how it sampled."""
+    cfg = HarnessConfig(model=str(tiny_smollm2), drafter="init", dtype="float32", threads=1, datasets=["gsm8k"],
+                        samples=2, batch_sizes=[2], max_new_tokens=8, temperature=0.8, top_p=0.95,
+                        methods=["ar", "hf-generate", "lookup", "adaptive"], profile=False,
+                        output_dir=str(tmp_path / "out"))
+    rows = run_harness(cfg)["rows"]
+    assert [r["skipped"] for r in rows if "skipped" in r] == ["the transformers methods run greedy only here"]
+    ran = [r for r in rows if "skipped" not in r]
+    assert {r["method"] for r in ran} == {"ar", "lookup", "adaptive"}
+    assert all(r["mismatched_rows"] is None and r["tokens"] > 0 for r in ran)
+    md = (tmp_path / "out" / "results.md").read_text()
+    assert "sampled (temperature 0.8, top-p 0.95)" in md and "n/a (sampled)" in md

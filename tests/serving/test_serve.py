@@ -1,0 +1,504 @@
+"""The Serve app end to end: serve/config.yaml deployed with `serve deploy` to the session's Ray cluster (a tiny
+random model with SmolLM2's tokenizer, an untrained drafter, adaptive mode, fp32, an API key), then real HTTP
+requests: through the `openai` client the outputs equal AR greedy (text and token-id prompts, streamed or not,
+chat); 16 concurrent requests share batches; bad input gets OpenAI-style 4xx bodies and the replica keeps serving;
+a client that leaves mid-stream frees its row."""
+import json
+import re
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import ENV, METRICS_PORT, REPO
+from flexdraft.core.config import RuntimeConfig
+from flexdraft.core.data import chat_ids
+from flexdraft.speculative.sampling import SamplingParams
+from flexdraft.engine.ar import generate
+from flexdraft.models.loading import load_model
+
+SERVE = str(Path(sys.executable).parent / "serve")
+URL = "http://127.0.0.1:8000"
+KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+BODY_LIMIT = 1 << 16  # the tiny app's max_body_bytes
+
+
+def application(name: str, route: str, home: Path, model: Path, **deployment) -> dict:
+    """serve/config.yaml's application, renamed and routed, on one of the test's models; `deployment` overrides."""
+    cfg = yaml.safe_load((REPO / "serve" / "config.yaml").read_text())
+    app = cfg["applications"][0]
+    app.update(name=name, route_prefix=route)
+    app["runtime_env"]["working_dir"] = f"local://{REPO}"  # as `flexdraft serve` does
+    app["runtime_env"]["env_vars"].update(FLEXDRAFT_HOME=str(home), FLEXDRAFT_API_KEY=KEY)
+    d = app["deployments"][0]
+    d["ray_actor_options"] = {"num_cpus": 0}  # beside the Ray Train tests' 2 CPUs
+    d["user_config"].update(model=str(model), drafter="init", store="none", served_model_name=model.name,
+                            runtime={"device": "cpu", "dtype": "float32", "threads": 1}, mlflow_every_s=1)
+    d["user_config"]["engine"].update(max_batch=8, max_len=256)
+    d["autoscaling_config"].update(deployment.pop("autoscaling_config", {}))
+    d["user_config"].update(deployment.pop("user_config", {}))
+    d.update(deployment)
+    return app
+
+
+def replicas(app_name: str) -> dict:
+    """Serve's replica states of the app's deployment, e.g. {"RUNNING": 2}."""
+    from ray import serve
+
+    status = serve.status().applications.get(app_name)
+    return dict(status.deployments["FlexDraftServer"].replica_states) if status else {}
+
+
+@pytest.fixture(scope="module")
+def apps(ray_head, real_folder, tiny_smollm2, tmp_path_factory):
+    """Three apps of serve/config.yaml in one `serve deploy`: `tiny` at / (one replica), `elastic` at /elastic (the
+    tiny model with 1-2 replicas, 2 requests each, 2 queued, fast autoscaling and health checks), `real` at /real (SmolLM2).
+    -> {"tiny": the tiny model, loaded here for reference outputs}."""
+    root, tiny = tmp_path_factory.mktemp("serve"), tiny_smollm2
+    home = root / "home"
+    cfg = yaml.safe_load((REPO / "serve" / "config.yaml").read_text())
+    cfg["applications"] = [
+        application("tiny", "/", home, tiny, autoscaling_config={"min_replicas": 1, "max_replicas": 1},
+                    user_config={"max_body_bytes": BODY_LIMIT}),
+        application("elastic", "/elastic", home, tiny, max_ongoing_requests=2, max_queued_requests=2,
+                    autoscaling_config={"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1,
+                                        "upscale_delay_s": 1, "downscale_delay_s": 2, "metrics_interval_s": 0.5,
+                                        "look_back_period_s": 1},
+                    health_check_period_s=1, health_check_timeout_s=5),
+        application("real", "/real", home, real_folder, autoscaling_config={"min_replicas": 1, "max_replicas": 1}),
+    ]
+    cfg["applications"][1]["deployments"][0]["user_config"]["engine"].update(max_batch=2, max_len=512)
+    cfg["applications"][1]["runtime_env"]["env_vars"]["FLEXDRAFT_FAULT_INJECTION"] = "1"  # its loop is killed
+    cfg["applications"][2]["deployments"][0]["user_config"]["engine"]["cost_model"] = False  # no profiling at start
+    (root / "serve.yaml").write_text(yaml.safe_dump(cfg))
+    subprocess.run([SERVE, "deploy", str(root / "serve.yaml"), "--address", ray_head], env=ENV, check=True,
+                   capture_output=True, timeout=120)
+    deadline = time.time() + 300
+    while True:
+        try:
+            if all(httpx.get(f"{URL}{r}/health", headers=AUTH, timeout=5).status_code == 200
+                   for r in ("", "/elastic", "/real")):
+                break
+        except httpx.HTTPError:
+            pass
+        status = subprocess.run([SERVE, "status", "--address", ray_head], env=ENV, capture_output=True, text=True)
+        if "DEPLOY_FAILED" in status.stdout or time.time() > deadline:
+            pytest.fail(f"the apps did not come up: {status.stdout[-3000:]}")
+        time.sleep(2)
+    runtime = RuntimeConfig(device="cpu", dtype="float32", threads=1)
+    lm = load_model(tiny, runtime)
+    lm.home = home
+    yield {"tiny": lm}
+    subprocess.run([SERVE, "shutdown", "-y", "--address", ray_head], env=ENV, capture_output=True, timeout=120)
+
+
+@pytest.fixture
+def app(apps):
+    return apps["tiny"]
+
+
+def greedy(lm, ids: list[int], n: int) -> list[int]:
+    return generate(lm.model, [ids], SamplingParams(max_new_tokens=n), lm.eos_token_ids)[0].token_ids
+
+
+def health() -> dict:
+    return httpx.get(f"{URL}/health", headers=AUTH, timeout=10).json()
+
+
+def test_openai_client_outputs_equal_ar_greedy_streamed_or_not(app):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{URL}/v1", api_key=KEY)
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    tok = app.tokenizer
+    text = "The capital of France is"
+    ids = tok(text)["input_ids"]
+    ref = greedy(app, ids, 12)
+    for prompt in (text, ids):
+        out = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0,
+                                        extra_body={"return_token_ids": True})
+        choice = out.choices[0]
+        assert choice.token_ids == ref and choice.text == tok.decode(ref, skip_special_tokens=True)
+        assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == len(ref)
+        assert out.model_extra["flexdraft"]["mean_accepted_length"] >= 1
+    chunks = list(client.completions.create(model="tiny", prompt=text, max_tokens=12, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == tok.decode(ref, skip_special_tokens=True)
+    assert chunks[-1].usage.completion_tokens == len(ref) and chunks[-2].choices[0].finish_reason == "length"
+
+    messages = [{"role": "user", "content": "Say hello."}]
+    ref = greedy(app, chat_ids(tok, messages), 10)
+    out = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0)
+    assert out.choices[0].message.content == tok.decode(ref, skip_special_tokens=True)
+    streamed = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0,
+                                              stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == out.choices[0].message.content
+
+
+def test_sixteen_concurrent_requests_succeed_in_shared_batches(app):
+    prompts = [f"Count to {i}:" for i in range(16)]
+
+    def one(prompt):
+        r = httpx.post(f"{URL}/v1/completions", headers=AUTH, timeout=120,
+                       json={"model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0,
+                             "return_token_ids": True})
+        return r.status_code, r.json()
+
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(one, prompts))
+    assert [status for status, _ in results] == [200] * 16
+    for prompt, (_, body) in zip(prompts, results):
+        assert body["choices"][0]["token_ids"] == greedy(app, app.tokenizer(prompt)["input_ids"], 16)
+    assert health()["most_rows"] > 1
+    # the replica's serving run in MLflow (its FLEXDRAFT_HOME's store): a point a second, the tokens among them
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{app.home / 'mlflow.db'}")
+    time.sleep(2)
+    run, = client.search_runs([client.get_experiment_by_name("flexdraft-serve").experiment_id], "tags.app = 'tiny'")
+    assert run.data.params["engine.mode"] == "adaptive" and run.data.tags["deployment"] == "FlexDraftServer"
+    history = client.get_metric_history(run.info.run_id, "serve/tokens_per_s")
+    assert len(history) >= 2 and sum(m.value for m in history) > 0
+
+
+@pytest.mark.parametrize("body,headers,status,param", [
+    (b"{not json", AUTH, 400, None),
+    ({"prompt": "hi", "max_tokens": "ten"}, AUTH, 400, "max_tokens"),
+    ({"model": "gpt-4", "prompt": "hi"}, AUTH, 404, "model"),
+    ({"prompt": list(range(3, 303))}, AUTH, 400, "prompt"),  # 300 tokens > the 256-slot cache
+    ({"prompt": "hi", "max_tokens": 250}, AUTH, 400, "max_tokens"),  # + verify and branch slots > 256
+    ({"prompt": "hi", "max_tokens": 0}, AUTH, 400, "max_tokens"),
+    ({"prompt": "hi", "n": 3}, AUTH, 400, "n"),
+    ({"prompt": "hi"}, {"Authorization": "Bearer wrong"}, 401, None),
+    ({"prompt": "hi"}, {}, 401, None),
+    (b"{not json", {}, 401, None),  # the key is checked before the body is read
+    (b"\xff\xfe not utf-8", AUTH, 400, None),
+    ({"prompt": "hi", "seed": 2 ** 70}, AUTH, 400, "seed"),
+    ({"prompt": "x" * BODY_LIMIT}, AUTH, 413, None),  # past the app's max_body_bytes
+], ids=["malformed-json", "wrong-type", "unknown-model", "prompt-too-long", "too-many-tokens", "max-tokens-0",
+        "unsupported-n", "bad-key", "no-key", "no-key-malformed", "not-utf8", "seed-overflow", "oversized"])
+def test_bad_requests_get_openai_errors_and_the_replica_keeps_serving(app, body, headers, status, param):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(f"{URL}/v1/completions", content=content, timeout=30,
+                   headers={**headers, "content-type": "application/json", "x-request-id": "req-42"})
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["message"] and r.headers["x-request-id"] == "req-42"
+    ok = httpx.post(f"{URL}/v1/completions", headers=AUTH, timeout=60, json={"prompt": "hi", "max_tokens": 2})
+    assert ok.status_code == 200 and ok.headers["x-request-id"]
+
+
+def test_every_v1_route_needs_the_key_and_the_openapi_document_is_the_real_schema(app):
+    assert httpx.get(f"{URL}/v1/models", timeout=10).status_code == 401
+    assert httpx.get(f"{URL}/v1/models", headers=AUTH, timeout=10).status_code == 200
+    schemas = httpx.get(f"{URL}/openapi.json", timeout=10).json()["components"]["schemas"]
+    temperature = schemas["CompletionRequest"]["properties"]["temperature"]["anyOf"][0]
+    assert (temperature["minimum"], temperature["maximum"]) == (0, 2)
+    assert schemas["ChatCompletionRequest"]["additionalProperties"] is False
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_row(app):
+    before = health()["aborted"]
+    with httpx.stream("POST", f"{URL}/v1/completions", headers=AUTH, timeout=60,
+                      json={"prompt": "Once upon a time", "max_tokens": 120, "temperature": 0, "stream": True}) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+    deadline = time.time() + 30
+    while not (health()["aborted"] == before + 1 and health()["running"] == 0) and time.time() < deadline:
+        time.sleep(0.2)
+    state = health()
+    assert state["aborted"] == before + 1 and state["running"] == 0
+
+
+def _json(children):
+    return st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=6), children, max_size=3)
+
+
+ANY = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12), _json, max_leaves=6)
+FIELDS = {  # OpenAI's fields with in-range, out-of-range and wrong-typed values
+    "max_tokens": st.integers(-2, 24) | st.integers() | ANY,
+    "temperature": st.sampled_from([0, 1e-300, 0.7, 1.0]) | st.floats() | ANY,
+    "top_p": st.floats(0, 1) | st.floats() | ANY,
+    "top_k": st.integers(-2, 50) | st.integers() | ANY,
+    "seed": st.integers() | ANY,
+    "stop": st.text(max_size=3) | st.lists(st.text(max_size=3), max_size=6) | ANY,
+    "stream": st.booleans() | ANY,
+    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}) | ANY,
+    "n": st.sampled_from([1, 2]) | ANY,
+    "model": st.sampled_from(["tiny", "gpt-4"]) | ANY,
+    "return_token_ids": st.booleans() | ANY,
+}
+PROMPT = st.text(max_size=40) | st.lists(st.integers(-3, 50_000), max_size=10) | ANY
+MESSAGES = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "robot"]),
+                                           "content": st.text(max_size=30) | ANY}), max_size=3) | ANY
+REQUESTS = st.one_of(
+    st.tuples(st.just("/v1/completions"), st.fixed_dictionaries({"prompt": PROMPT}, optional=FIELDS)),
+    st.tuples(st.just("/v1/chat/completions"), st.fixed_dictionaries({"messages": MESSAGES}, optional=FIELDS)),
+    st.tuples(st.sampled_from(["/v1/completions", "/v1/chat/completions"]), st.binary(max_size=64)),
+    st.tuples(st.just("/v1/completions"), st.dictionaries(st.text(max_size=8), ANY, max_size=4)),
+)
+
+
+def test_generated_and_hostile_requests_and_vanishing_clients_leave_the_replica_as_it_was(app):
+    """Property-based, against the running app: whatever hypothesis sends (valid, out of range, wrong types, raw
+    bytes, unknown fields; NaN and Infinity as Python's JSON writes them) and whenever the client leaves, the
+    answer is 200 or an OpenAI 4xx error body within the timeout, never a 5xx; afterwards no row, waiting request
+    or stream is left, the engine never failed, and a greedy request decodes exactly as before. Then
+    `flexdraft loadtest --chaos`'s mix at 8 clients at once, with the same checks."""
+    from flexdraft.evaluation.chaos import run_chaos, settle
+
+    probe = {"prompt": "The capital of France is", "max_tokens": 12, "temperature": 0, "return_token_ids": True}
+    before = httpx.post(f"{URL}/v1/completions", headers=AUTH, json=probe, timeout=60).json()["choices"][0]
+    failed_before = health()["failed_steps"]
+    seen = {}
+
+    @settings(max_examples=100, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(request=REQUESTS, leave=st.none() | st.none() | st.integers(0, 3))
+    def one(request, leave):
+        route, body = request
+        raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+        headers = {**AUTH, "content-type": "application/json"}
+        with httpx.stream("POST", f"{URL}{route}", content=raw, headers=headers, timeout=60) as r:
+            if leave is not None and r.status_code == 200:
+                for i, _ in enumerate(r.iter_lines()):  # leave after `leave` lines (0: at the headers)
+                    if i >= leave:
+                        break
+                seen["left"] = seen.get("left", 0) + 1
+                return
+            r.read()
+        seen[r.status_code] = seen.get(r.status_code, 0) + 1
+        assert r.status_code in (200, 400, 404, 413), (r.status_code, raw[:200], r.text[:300])
+        if r.status_code != 200:
+            assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+    one()
+    print("generated requests by outcome:", seen)
+    state = settle(URL, AUTH)
+    assert (state["running"], state["waiting"], state["streams"]) == (0, 0, 0) and state["alive"]
+    assert state["failed_steps"] == failed_before
+    after = httpx.post(f"{URL}/v1/completions", headers=AUTH, json=probe, timeout=60).json()["choices"][0]
+    assert after["token_ids"] == before["token_ids"]
+    report = run_chaos(URL, requests=48, concurrency=8, seed=1, api_key=KEY, timeout=60, max_seconds=60,
+                       body_limit=BODY_LIMIT)
+    print("chaos:", report.as_dict())
+    assert report.ok(), report.as_dict()
+
+
+def test_spec_decode_metrics_reach_prometheus(app):
+    """Ray's metrics export serves the replicas' Serve metrics on the node's Prometheus endpoint, under the names
+    vLLM users chart (with Ray's `ray_` prefix): the counters have counted the requests so far."""
+    httpx.post(f"{URL}/v1/completions", headers=AUTH, timeout=60, json={"prompt": "Hello", "max_tokens": 16})
+    names = ["ray_flexdraft_spec_decode_num_drafts_total", "ray_flexdraft_spec_decode_num_draft_tokens_total",
+             "ray_flexdraft_spec_decode_num_accepted_tokens_per_pos_total", "ray_flexdraft_steps_total",
+             "ray_flexdraft_generation_tokens_total", "ray_flexdraft_time_to_first_token_seconds_bucket",
+             "ray_flexdraft_e2e_request_latency_seconds_count", "ray_flexdraft_batch_size"]
+    deadline = time.time() + 60
+    while True:
+        text = httpx.get(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=10).text
+        lines = [line for line in text.splitlines() if line.startswith("ray_flexdraft_")]
+        if all(any(line.startswith(n) for line in lines) for n in names) or time.time() > deadline:
+            break
+        time.sleep(2)
+    for line in lines:  # the scrape, with only the tags that tell its series apart
+        if 'application="tiny"' in line and "_bucket" not in line:
+            print(line.split("{")[0], ",".join(re.findall(r'(?:mode|position)="\w+"', line)), line.rsplit(" ", 1)[1])
+    for name in names:
+        assert any(line.startswith(name) for line in lines), name
+    drafts = [float(line.rsplit(" ", 1)[1]) for line in lines
+              if line.startswith("ray_flexdraft_spec_decode_num_drafts_total") and 'application="tiny"' in line]
+    assert sum(drafts) > 0
+
+
+def test_loadtest_reports_every_level_against_the_app_and_a_baseline(app, mlflow_uri, tmp_path):
+    """`flexdraft loadtest` through HTTP: 6 streamed requests at concurrency 1 and 2 to `tiny`, each level right
+    after to a baseline endpoint (`elastic`, which holds 2), all answered, with latencies, throughput, the server's accepted
+    length and the tok/s ratio, in a JSON file and an MLflow run."""
+    import mlflow
+
+    from flexdraft.evaluation.loadtest import run_loadtest
+
+    results = run_loadtest(URL, "gsm8k", [1, 2], 6, stream=True, api_key=KEY, max_tokens=8,
+                           output=tmp_path / "lt.json", baseline=f"{URL}/elastic")
+    for r in results.values():
+        for x in (r, r["baseline"]):
+            assert x["errors"] == 0 and x["output_tokens"] > 0 and x["tokens_per_s"] > 0
+            assert 0 < x["ttft_p50"] <= x["e2e_p50"] and x["mean_accepted_length"] >= 1
+        assert r["speedup"] == pytest.approx(r["tokens_per_s"] / r["baseline"]["tokens_per_s"])
+    assert json.loads((tmp_path / "lt.json").read_text())["results"].keys() == {"1", "2"}
+    run, = mlflow.search_runs(experiment_names=["flexdraft-loadtest"], output_format="list")
+    for key in ("tokens_per_s", "baseline/tokens_per_s", "speedup"):
+        assert [m.step for m in mlflow.MlflowClient().get_metric_history(run.info.run_id, key)] == [1, 2]
+    with pytest.raises(Exception, match="this machine only"):
+        run_loadtest("http://10.0.0.1:8000", "gsm8k", [1], 1)
+    with pytest.raises(Exception, match="the baseline is the endpoint under test"):
+        run_loadtest(URL, "gsm8k", [1], 1, baseline=f"{URL}/v1")
+
+
+def _complete(route: str, max_tokens: int, timeout: float = 120) -> tuple[float, int | str]:
+    """One non-streamed request -> (seconds it took, HTTP status or the client's exception name)."""
+    t0 = time.perf_counter()
+    try:
+        status = httpx.post(f"{URL}{route}/v1/completions", headers=AUTH, timeout=timeout,
+                            json={"prompt": "Once upon a time", "max_tokens": max_tokens}).status_code
+    except httpx.HTTPError as e:
+        status = type(e).__name__
+    return time.perf_counter() - t0, status
+
+
+def _load(route: str, clients: int, max_tokens: int, log: list):
+    """Start `clients` threads sending requests back to back until the returned event is set; each result is
+    appended to `log` as (finish time, seconds, status)."""
+    stop = threading.Event()
+
+    def client():
+        while not stop.is_set():
+            seconds, status = _complete(route, max_tokens)
+            log.append((time.time(), seconds, status))
+            if status == 503:
+                time.sleep(0.2)
+
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    return stop, threads
+
+
+def _wait_replicas(app_name: str, running: int, timeout: float, timeline: list) -> None:
+    """Until the app has exactly `running` replicas, all running; each change is appended to `timeline` as
+    (time, replica states)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        states = replicas(app_name)
+        if not timeline or timeline[-1][1] != states:
+            timeline.append((time.time(), states))
+        if states == {"RUNNING": running}:
+            return
+        time.sleep(0.5)
+    pytest.fail(f"{app_name} did not reach {running} running replicas in {timeout} s: {timeline}")
+
+
+def test_past_max_queued_requests_clients_get_503_at_once(apps):
+    """`elastic` holds 2 requests per replica and queues 2 at the router: of 16 concurrent long requests the
+    surplus is refused with 503 at once, the rest finish with 200, none hangs. (Serve counts a request as queued
+    only once the proxy routes it, so a few more than 2 x 2 + 2 may get through.)"""
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(lambda _: _complete("/elastic", 100, timeout=60), range(16)))
+    print("overload (seconds, status):", sorted(results, key=lambda r: r[1]))
+    refused = [s for s, status in results if status == 503]
+    assert {status for _, status in results} == {200, 503}
+    assert len(refused) >= 16 // 2 and max(refused) < 2.0
+
+
+def test_sustained_load_brings_a_second_replica_up_and_idle_takes_it_down(apps):
+    """target_ongoing_requests 1, upscale_delay_s 1, downscale_delay_s 2: 4 clients in a loop -> 2 replicas;
+    no load -> 1 again."""
+    timeline, log = [], []
+    _wait_replicas("elastic", 1, 120, timeline)
+    started = time.time()
+    stop, threads = _load("/elastic", 4, 40, log)
+    try:
+        # a replica starting beside 4 busy clients on 2 cores takes 10-60 s to import torch and load the model
+        _wait_replicas("elastic", 2, 240, timeline)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    stopped = time.time()
+    _wait_replicas("elastic", 1, 120, timeline)
+    print(f"elastic replicas over time (s, states), load from {started - timeline[0][0]:.1f} to "
+          f"{stopped - timeline[0][0]:.1f} s:", [(round(t - timeline[0][0], 1), s) for t, s in timeline])
+    assert any(status == 200 for _, _, status in log)
+
+
+def test_a_killed_replica_is_replaced_and_later_requests_succeed(apps):
+    """`ray.kill` of the only replica while it decodes 2 requests: Serve starts a new one; the requests it held end
+    (an error status or a retry on the new replica, no client waits for its timeout), and requests sent after the
+    replacement all succeed."""
+    import ray
+
+    def replica_names() -> set[str]:
+        return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                if a["name"].startswith("SERVE_REPLICA::elastic#")}
+
+    timeline, log = [], []
+    _wait_replicas("elastic", 1, 120, timeline)
+    before = replica_names()
+    stop, threads = _load("/elastic", 2, 300, log)  # ~2.5 s each
+    try:
+        time.sleep(0.7)
+        killed_at = time.time()
+        for name in before:
+            ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+        deadline = time.time() + 120
+        while time.time() < deadline and not any(t - s > killed_at and status == 200 for t, s, status in log):
+            time.sleep(0.2)
+        time.sleep(2)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    seen = [(t - s - killed_at, t - killed_at, status) for t, s, status in log]
+    print("replica killed; clients saw (sent, done, status) in seconds from the kill:",
+          [(round(sent, 1), round(done, 1), status) for sent, done, status in seen])
+    assert replica_names() - before, "no new replica"
+    assert all(status in (200, 500, 502, 503) for _, _, status in seen)  # answered, none timed out
+    in_flight = [status for sent, done, status in seen if sent < 0 < done]
+    after = [status for sent, done, status in seen if sent > 0]
+    assert len(in_flight) == 2 and after and after[-1] == 200
+
+
+def test_a_replica_whose_engine_loop_died_is_replaced_and_serves_again(apps):
+    """The test-only fault hook ends `elastic`'s engine loop as a bug would: /health answers 503 and a request
+    gets 503 at once (nobody hangs); Serve's health check fails, the replica is replaced, and the new one serves."""
+    from ray import serve
+
+    url = f"{URL}/elastic"
+    _wait_replicas("elastic", 1, 120, [])
+    before = httpx.get(f"{url}/health", timeout=10).json()["replica"]
+    killed_at = time.time()
+    serve.get_app_handle("elastic").inject_fault.remote("loop").result(timeout_s=30)
+    dead = httpx.get(f"{url}/health", timeout=10)
+    refused = httpx.post(f"{url}/v1/completions", headers=AUTH, timeout=30, json={"prompt": "hi", "max_tokens": 4})
+    assert dead.status_code == 503 and dead.json()["alive"] is False
+    assert refused.status_code == 503 and "loop died" in refused.json()["error"]["message"]
+    states = []
+    while time.time() < killed_at + 240:
+        try:
+            r = httpx.get(f"{url}/health", timeout=10)
+            states.append((round(time.time() - killed_at, 1), r.status_code, r.json().get("replica")))
+            if r.status_code == 200 and r.json()["replica"] != before:
+                break
+        except httpx.HTTPError as e:
+            states.append((round(time.time() - killed_at, 1), type(e).__name__, None))
+        time.sleep(0.5)
+    print(f"engine loop killed; /health over time (s, status, replica): {states[::4] + states[-1:]}")
+    assert states[-1][1] == 200 and states[-1][2] != before, states
+    ok = httpx.post(f"{url}/v1/completions", headers=AUTH, timeout=60, json={"prompt": "hi", "max_tokens": 4})
+    assert ok.status_code == 200
+
+
+@pytest.mark.real_model
+def test_real_smollm2_through_http_equals_its_greedy_output(apps, real_lm, gsm8k_prompts):
+    """SmolLM2 served adaptive (drafter `init`): through the `openai` client, streamed or not, the output is the
+    model's own greedy output."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{URL}/real/v1", api_key=KEY)
+    model = client.models.list().data[0].id
+    ids = gsm8k_prompts[0]
+    ref = greedy(real_lm, ids, 24)
+    out = client.completions.create(model=model, prompt=ids, max_tokens=24, temperature=0,
+                                    extra_body={"return_token_ids": True})
+    assert out.choices[0].token_ids == ref
+    streamed = client.completions.create(model=model, prompt=ids, max_tokens=24, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == out.choices[0].text

@@ -1,0 +1,406 @@
+"""The serving layer without Ray: AsyncEngine's continuous-batching loop (concurrent requests equal the engine's own
+outputs while sharing batches, a caller that leaves frees its row, a refused or failed request fails alone) and
+the OpenAI protocol (errors name the field, streamed text equals the whole, stop strings cut it)."""
+import asyncio
+import threading
+import time
+
+import pytest
+
+from conftest import make_tiny_hf, ragged_prompts
+from flexdraft.core.config import RuntimeConfig, from_dict
+from flexdraft.drafter.model import Drafter, DrafterConfig
+from flexdraft.engine.engine import Engine
+from flexdraft.engine.config import EngineConfig
+from flexdraft.core.errors import FlexDraftError
+from flexdraft.speculative.sampling import SamplingParams
+from flexdraft.models.loading import load_model
+from flexdraft.serving.openai_api import APIError, TextStream, parse_request
+from flexdraft.serving.async_engine import AsyncEngine, EngineFailed, EngineUnavailable
+from flexdraft.serving.config import ServeConfig, apply_live
+
+
+@pytest.fixture(scope="module")
+def parts(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny")
+    make_tiny_hf("llama", folder)
+    model = load_model(folder, RuntimeConfig(device="cpu", dtype="float32", threads=1), with_tokenizer=False).model
+    return model, Drafter.from_target(model, DrafterConfig(k=2, block_size=4)).to_runtime(model)
+
+
+def engine(parts, **kw) -> Engine:
+    model, drafter = parts
+    return Engine(model, drafter, EngineConfig(**{"mode": "adaptive", "max_batch": 4, "max_len": 96, **kw}))
+
+
+async def collect(ae: AsyncEngine, prompt, params, delay: float = 0.0):
+    await asyncio.sleep(delay)
+    tokens, last = [], None
+    async for c in ae.generate(prompt, params):
+        tokens += c.tokens
+        last = c.finished
+    return tokens, last
+
+
+def wait_for(condition, timeout: float = 10.0) -> bool:
+    end = time.time() + timeout
+    while time.time() < end:
+        if condition():
+            return True
+        time.sleep(0.01)
+    return condition()
+
+
+def test_concurrent_requests_share_batches_and_equal_the_engines_own_output(parts):
+    """12 requests arriving over time into 4 rows: each output equals the same engine's `generate`, the batch was
+    full at times and changed size as requests came and went."""
+    prompts = ragged_prompts(12, seed=5)
+    params = SamplingParams(max_new_tokens=20)
+    ref = [g.token_ids for g in engine(parts).generate(prompts, params)]
+    rows = []
+    ae = AsyncEngine(engine(parts), on_step=lambda stats, e: rows.append(stats.rows))
+
+    async def main():
+        return await asyncio.gather(*(collect(ae, p, params, 0.005 * i) for i, p in enumerate(prompts)))
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        ae.shutdown()
+    assert [tokens for tokens, _ in results] == ref
+    assert all(last.finish_reason in ("length", "eos") for _, last in results)
+    assert max(rows) == 4 and len(set(rows)) > 1
+
+
+def test_a_caller_that_leaves_frees_its_row_and_others_go_on(parts):
+    e = engine(parts)
+    ae = AsyncEngine(e)
+    params = SamplingParams(max_new_tokens=60)
+    prompt, other = ragged_prompts(2, seed=9)
+
+    async def leave_early():
+        stream = ae.generate(prompt, params)
+        async for _ in stream:
+            break
+        await stream.aclose()
+        return await collect(ae, other, SamplingParams(max_new_tokens=8))
+
+    try:
+        tokens, last = asyncio.run(leave_early())
+        assert wait_for(lambda: ae.aborted == 1 and not e.has_work())
+    finally:
+        ae.shutdown()
+    assert len(tokens) == 8 and last.finish_reason == "length"
+
+
+def test_a_refused_request_fails_alone_before_any_token(parts, monkeypatch):
+    """A prompt outside the vocabulary is refused with FlexDraftError; so is one the engine rejects with any other
+    exception (before this, a non-FlexDraftError in admission ended the engine thread); the loop goes on."""
+    e = engine(parts)
+    ae = AsyncEngine(e)
+    params = SamplingParams(max_new_tokens=6)
+    good = ragged_prompts(1, seed=2)[0]
+    real_add = e.add_request
+
+    def add(prompt, p=None):
+        if prompt == [7, 7, 7]:
+            raise ValueError("a value the engine cannot take")
+        return real_add(prompt, p)
+
+    monkeypatch.setattr(e, "add_request", add)
+
+    async def main():
+        with pytest.raises(FlexDraftError, match="outside the vocabulary"):
+            await collect(ae, [10 ** 6], params)
+        with pytest.raises(FlexDraftError, match="refused the request: ValueError"):
+            await collect(ae, [7, 7, 7], params)
+        return await collect(ae, good, params)
+
+    try:
+        tokens, last = asyncio.run(main())
+        assert ae.alive
+    finally:
+        ae.shutdown()
+    assert tokens == engine(parts).generate([good], params)[0].token_ids
+
+
+def poison_steps(e: Engine, monkeypatch, poisoned=lambda req: req.params.seed == 666, times: int = 10 ** 9):
+    """Make every step of `e` raise while a request matching `poisoned` holds a row (at most `times` times):
+    a request the engine cannot decode, as a value that passes validation but not the layers beneath would."""
+    real_step, failures = e.step, []
+
+    def step():
+        out = real_step()
+        if len(failures) < times and any(poisoned(r) for r in e.slots):
+            failures.append(1)
+            raise RuntimeError("poisoned row")
+        return out
+
+    monkeypatch.setattr(e, "step", step)
+    return failures
+
+
+@pytest.mark.parametrize("times", [1, 10 ** 9], ids=["transient", "persistent"])
+def test_a_failed_step_is_charged_to_the_request_that_causes_it_and_the_others_stay_exact(parts, monkeypatch,
+                                                                                           times):
+    """8 requests share the batch with one that makes every step raise (persistent) or one step raise once
+    (transient). Persistent: only that request ends with EngineFailed. Transient: nobody does. Either way every
+    other output equals the engine's own uninterrupted output, and no row, waiting request or stream is left."""
+    prompts = ragged_prompts(8, seed=11)
+    params = SamplingParams(max_new_tokens=24)
+    ref = [g.token_ids for g in engine(parts).generate(prompts, params)]
+    e = engine(parts)
+    failures = poison_steps(e, monkeypatch, times=times)
+    ae = AsyncEngine(e)
+    poison = SamplingParams(max_new_tokens=24, temperature=1.0, seed=666)
+
+    async def main():
+        return await asyncio.gather(collect(ae, prompts[0], poison, 0.02),
+                                    *(collect(ae, p, params, 0.003 * i) for i, p in enumerate(prompts)),
+                                    return_exceptions=True)
+
+    try:
+        first, *results = asyncio.run(main())
+        assert wait_for(lambda: ae.load()["running"] == ae.load()["waiting"] == ae.load()["streams"] == 0)
+        assert ae.alive and e.admit_limit is None
+    finally:
+        ae.shutdown()
+    assert [r[0] for r in results] == ref
+    if times == 1:
+        assert not isinstance(first, Exception) and len(first[0]) == 24 and ae.charged == 0
+    else:
+        assert isinstance(first, EngineFailed) and "poisoned row" in str(first) and ae.charged == 1
+    assert failures and ae.failed_steps == len(failures)
+
+
+def test_callers_that_vanish_at_any_moment_leave_nothing_behind(parts):
+    """Callers cancelled while their admission is pending (the engine thread busy: before this, the cancelled
+    ticket's set_result raised InvalidStateError and ended the engine thread), right after it, and mid-stream:
+    afterwards the engine has no row, waiting request or stream, and a greedy request decodes as before."""
+    e = engine(parts)
+    ae = AsyncEngine(e)
+    params = SamplingParams(max_new_tokens=40)
+    prompts = ragged_prompts(12, seed=3)
+    good = SamplingParams(max_new_tokens=10)
+    ref = engine(parts).generate([prompts[0]], good)[0].token_ids
+
+    async def main():
+        busy = asyncio.get_running_loop().run_in_executor(None, ae.call, lambda eng: time.sleep(0.3))
+        await asyncio.sleep(0.05)  # the engine thread is now inside the call: adds wait in the command queue
+        pending = [asyncio.create_task(collect(ae, p, params)) for p in prompts[:4]]
+        await asyncio.sleep(0.05)
+        for t in pending:
+            t.cancel()  # while awaiting admission
+        await busy
+        later = [asyncio.create_task(collect(ae, p, params)) for p in prompts[4:]]
+        for i, t in enumerate(later):
+            await asyncio.sleep(0.01 * i)  # after admission, mid-stream
+            t.cancel()
+        await asyncio.gather(*pending, *later, return_exceptions=True)
+        return await collect(ae, prompts[0], good)
+
+    try:
+        tokens, _ = asyncio.run(main())
+        assert wait_for(lambda: (e.active, len(e.waiting), ae.load()["streams"]) == (0, 0, 0))
+        assert ae.alive
+    finally:
+        ae.shutdown()
+    assert tokens == ref
+
+
+def test_a_dead_loop_says_so_and_nobody_waits_for_it(parts):
+    """If the loop itself ends (a bug: injected here), `alive` and the load say so, callers decoding or waiting for
+    admission get EngineUnavailable at once, and so do new ones and calls."""
+    ae = AsyncEngine(engine(parts, max_len=256))
+    params = SamplingParams(max_new_tokens=200)
+    prompts = ragged_prompts(6, seed=4)
+
+    async def main():
+        tasks = [asyncio.create_task(collect(ae, p, params)) for p in prompts]
+        await asyncio.sleep(0.1)
+        ae.inject_fault("loop")
+        return await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 10)
+
+    results = asyncio.run(main())
+    assert all(isinstance(r, EngineUnavailable) for r in results), results
+    assert not ae.alive and not ae.load()["alive"] and "injected loop fault" in ae.death
+    with pytest.raises(EngineUnavailable, match="loop died"):
+        asyncio.run(collect(ae, prompts[0], params))
+    with pytest.raises(EngineUnavailable):
+        ae.call(lambda eng: None)
+
+
+def test_calls_time_out_and_drain_lets_running_requests_finish(parts):
+    """`call` with a timeout does not wait on a busy engine thread (and its function never runs); `drain` takes no
+    new requests and lets the running ones finish with their full output."""
+    ae = AsyncEngine(engine(parts))
+    ran = []
+    threading.Thread(target=ae.call, args=(lambda eng: time.sleep(0.5),), daemon=True).start()
+    time.sleep(0.1)
+    with pytest.raises(TimeoutError):
+        ae.call(lambda eng: ran.append(1), timeout=0.1)
+    params = SamplingParams(max_new_tokens=30)
+    prompts = ragged_prompts(3, seed=8)
+    ref = [g.token_ids for g in engine(parts).generate(prompts, params)]
+
+    async def main():
+        tasks = [asyncio.create_task(collect(ae, p, params)) for p in prompts]
+        await asyncio.sleep(0.05)
+        ae.drain(30)
+        with pytest.raises(EngineUnavailable, match="replaced by a reconfigure"):
+            await collect(ae, prompts[0], params)
+        return await asyncio.gather(*tasks)
+
+    results = asyncio.run(main())
+    assert [tokens for tokens, _ in results] == ref and not ran
+    assert wait_for(lambda: not ae.alive)
+
+
+def test_live_knobs_change_the_running_engine_and_others_need_a_new_one(parts):
+    base = from_dict(ServeConfig, {"engine": {"switch_batch": 4}})
+    live = from_dict(ServeConfig, {"engine": {"switch_batch": 1, "top_m": 2}})
+    assert not live.needs_new_engine(base)
+    assert from_dict(ServeConfig, {"engine": {"max_batch": 8}}).needs_new_engine(base)
+    assert from_dict(ServeConfig, {"drafter": "init"}).needs_new_engine(base)
+    e = engine(parts)
+    ae = AsyncEngine(e)
+    try:
+        assert ae.call(lambda eng: apply_live(eng, live)) == {"switch_batch": 1, "top_m": 2}
+    finally:
+        ae.shutdown()
+    assert e.config.switch_batch == e.planner.switch_batch == 1 and e.config.top_m == 2
+    with pytest.raises(FlexDraftError, match="rho"):  # checked whole before any knob changes
+        apply_live(e, from_dict(ServeConfig, {"engine": {"switch_batch": 3, "rho": 0.0}}))
+    assert e.config.switch_batch == 1 and e.config.rho > 0
+    with pytest.raises(FlexDraftError, match="unknown key"):
+        from_dict(ServeConfig, {"engine": {"switch_batc": 1}})
+
+
+def test_a_policy_in_user_config_owns_its_knobs_and_live_changes_leave_them(parts, tmp_path):
+    """user_config.policy: engine keys the policy sets are refused next to it; a live reconfigure changes only
+    what the policy does not set (calibrate), never its S or bands."""
+    from flexdraft.speculative.policy_file import Band, Policy, save_policy
+
+    path = save_policy(Policy(switch_batch=2, bands=[Band(None, "sequential", block=2)]), tmp_path / "p.yaml")
+    with pytest.raises(FlexDraftError, match=r"user_config.engine.switch_batch is set by the policy file"):
+        from_dict(ServeConfig, {"policy": str(path), "engine": {"switch_batch": 4, "max_batch": 4}})
+    model, drafter = parts
+    e = Engine(model, drafter, EngineConfig(max_batch=4, max_len=96), policy=Policy(2, [Band(None, "sequential", 2)]))
+    live = from_dict(ServeConfig, {"policy": str(path), "engine": {"calibrate": False}})
+    assert apply_live(e, live) == {"calibrate": False}
+    assert e.config.switch_batch == 2 and e.band(3).mode == "sequential"
+
+
+@pytest.mark.parametrize("body,chat,status,param", [
+    ([1, 2], False, 400, None),
+    ({"prompt": "hi", "n": 2}, False, 400, "n"),
+    ({"prompt": "hi", "logprobs": 2}, False, 400, "logprobs"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, True, 400, "tools"),
+    ({"model": "gpt-4", "prompt": "hi"}, False, 404, "model"),
+    ({"prompt": 5}, False, 400, "prompt"),
+    ({"prompt": ["a", "b"]}, False, 400, "prompt"),
+    ({"prompt": "hi", "max_tokens": 0}, False, 400, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": 10 ** 6}, False, 400, "max_tokens"),
+    ({"prompt": "hi", "temperature": "hot"}, False, 400, "temperature"),
+    ({"prompt": "hi", "top_p": 0}, False, 400, "top_p"),
+    ({"prompt": "hi", "stop": 3}, False, 400, "stop"),
+    ({"prompt": "hi", "stream_options": {"include_usage": True}}, False, 400, "stream_options"),
+    ({"prompt": "hi", "colour": "red"}, False, 400, "colour"),
+    ({"messages": []}, True, 400, "messages"),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, True, 400, "messages"),
+    # values of the right JSON type that the layers beneath cannot take
+    ({"prompt": "hi", "seed": 2 ** 70}, False, 400, "seed"),  # torch.Generator.manual_seed overflows
+    ({"prompt": "hi", "temperature": float("nan")}, False, 400, "temperature"),  # Python's JSON reads NaN
+    ({"prompt": "hi", "top_p": float("inf")}, False, 400, "top_p"),
+    ({"prompt": "\ud800"}, False, 400, "prompt"),  # a lone surrogate: valid JSON, no tokenizer encodes it
+    ({"messages": [{"role": "user", "content": "a\udfff"}]}, True, 400, "messages"),
+    ({"prompt": [1, -5]}, False, 400, "prompt"),
+    ({"prompt": [1, 2 ** 40]}, False, 400, "prompt"),
+    ({"prompt": "hi", "max_tokens": True}, False, 400, "max_tokens"),  # no coercion: true is not 1
+    ({"prompt": "hi", "max_tokens": "5"}, False, 400, "max_tokens"),
+    ({"prompt": "hi", "top_k": 1.5}, False, 400, "top_k"),
+    ({"prompt": "hi", "stop": ["a"] * 5}, False, 400, "stop"),
+    ({"prompt": "hi", "stop": ""}, False, 400, "stop"),
+    ({"prompt": "hi", "stream": "yes"}, False, 400, "stream"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]}, True, 400, "messages"),
+    ({"messages": [{"role": "user"}]}, True, 400, "messages"),
+    ({"prompt": {"nested": ["deep"]}}, False, 400, "prompt"),
+    ({}, False, 400, "prompt"),
+])
+@pytest.mark.real_model
+def test_bad_requests_get_an_openai_error_naming_the_field(real_lm, body, chat, status, param):
+    with pytest.raises(APIError) as err:
+        parse_request(body, chat, "smollm2", real_lm.tokenizer, 512, 16)
+    assert err.value.status == status and err.value.param == param
+    assert set(err.value.body()["error"]) == {"message", "type", "param", "code"}
+
+
+@pytest.mark.real_model
+def test_requests_parse_to_the_prompt_ids_the_engine_decodes(real_lm):
+    from flexdraft.core.data import chat_ids
+
+    tok = real_lm.tokenizer
+    req = parse_request({"prompt": "The sky is", "max_tokens": 7, "temperature": 0, "stop": "\n"}, False, "m", tok,
+                        512, 16)
+    assert req.prompt_ids == tok("The sky is")["input_ids"] and req.params.max_new_tokens == 7 and req.params.greedy
+    assert parse_request({"prompt": [[5, 6, 7]]}, False, "m", tok, 512, 16).prompt_ids == [5, 6, 7]
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]
+    req = parse_request({"messages": messages, "stream": True, "stream_options": {"include_usage": True}}, True,
+                        "m", tok, 512, 16)
+    assert req.prompt_ids == chat_ids(tok, [{"role": "user", "content": "Hi"}]) and req.stream and req.include_usage
+    assert req.params.max_new_tokens == 16 and req.params.temperature == 1.0  # OpenAI's defaults: server's, 1
+
+
+@pytest.mark.real_model
+@pytest.mark.real_model
+def test_a_temperature_below_epsilon_decodes_greedily(real_lm):
+    """temperature 1e-300 passes the schema; dividing logits by it would give inf/NaN, so it decodes greedily."""
+    req = parse_request({"prompt": "hi", "temperature": 1e-300}, False, "m", real_lm.tokenizer, 512, 16)
+    assert req.params.greedy
+    with pytest.raises(FlexDraftError, match="finite"):
+        SamplingParams(temperature=float("nan"))
+
+
+def test_streamed_text_is_decoded_incrementally():
+    """Each chunk decodes a few tokens of context and the new ones, not the whole output again (it was O(n^2))."""
+    class Counting:
+        decoded = 0
+
+        def decode(self, ids, skip_special_tokens=True):
+            Counting.decoded += len(ids)
+            return "".join(chr(97 + i % 26) for i in ids)
+
+    stream = TextStream(Counting(), [])
+    text = "".join(stream.add([i]) for i in range(2000))
+    assert text == "".join(chr(97 + i % 26) for i in range(2000))
+    assert Counting.decoded < 2000 * 2 * (TextStream.CONTEXT + 2)
+
+
+@pytest.mark.real_model
+def test_streamed_text_equals_the_whole_and_stops_before_a_stop_string(real_lm):
+    tok = real_lm.tokenizer
+    text = "Café ünïcode — 3 + 4 = 7.\nNext line 🙂 done"
+    ids = tok(text)["input_ids"]
+    stream = TextStream(tok, [])
+    assert "".join(stream.add([t]) for t in ids) + stream.add([], final=True) == tok.decode(ids)
+    stream = TextStream(tok, ["\nNext"])
+    pieces = [stream.add([t]) for t in ids]
+    assert "".join(pieces) == tok.decode(ids).split("\nNext")[0] and stream.stopped
+
+
+def test_serving_beyond_loopback_fails_closed_without_an_api_key(monkeypatch, capsys):
+    """A replica (check_exposure) and `flexdraft serve` refuse a non-loopback or unknown address without a key,
+    unless told `insecure`; loopback, a key, or insecure pass."""
+    from flexdraft.cli.main import main
+    from flexdraft.serving.config import check_exposure
+
+    cfg, insecure = ServeConfig(), ServeConfig(insecure=True)
+    for host in ("0.0.0.0", "10.1.2.3", None):
+        with pytest.raises(FlexDraftError, match="without an API key"):
+            check_exposure(cfg, host, {})
+        check_exposure(cfg, host, {"FLEXDRAFT_API_KEY": "k"})
+        check_exposure(insecure, host, {})
+    check_exposure(cfg, "127.0.0.1", {})
+    monkeypatch.delenv("FLEXDRAFT_API_KEY", raising=False)
+    assert main(["serve", "--host", "0.0.0.0"]) == 2  # before Ray starts (it would exec `serve run` otherwise)
+    assert "refusing to serve on 0.0.0.0 without an API key" in capsys.readouterr().err
