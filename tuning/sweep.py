@@ -149,9 +149,11 @@ def run(cfg: sw.SweepConfig, prepared: sw.Prepared, resume: bool) -> dict:
         )
     try:
         grid = tuner.fit()
-        # a trial done, stopped by ASHA or failed says so; one still running when Tune stopped before the time
+        # a trial done, stopped by ASHA or failed says so, and a measured one has made its last report (its
+        # "done" can be lost when Ctrl-C lands as it returns); one still running when Tune stopped before the time
         # budget was interrupted (Ctrl-C): Tune then returns normally, but nothing partial may be exported
-        unfinished = [r for r in grid if not r.error and not (r.metrics or {}).get("done")]
+        unfinished = [r for r in grid if not r.error and not ((r.metrics or {}).get("done") or
+                                                               "objective" in (r.metrics or {}))]
         interrupted = unfinished and time.time() - t0 < 0.98 * 60 * cfg.time_budget_min
     except KeyboardInterrupt:  # (Tune re-raises it in some set-ups)
         interrupted = True
