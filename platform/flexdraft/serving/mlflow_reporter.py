@@ -38,9 +38,10 @@ class MlflowReporter:
         self._last = (now, totals)
         d = {k: totals.get(k, 0) - prev.get(k, 0) for k in totals}
         dt, steps = max(now - t_prev, 1e-9), d.get("steps", 0)
+        load = self.engine.load()
         metrics = {"serve/tokens_per_s": d.get("tokens", 0) / dt, "serve/steps_per_s": steps / dt,
-                   "serve/running": self.engine.engine.active, "serve/waiting": len(self.engine.engine.waiting),
-                   "serve/aborted_total": self.engine.aborted}
+                   **{f"serve/{k}": load[k] for k in ("running", "waiting", "streams")},
+                   "serve/aborted_total": load["aborted"], "serve/failed_steps_total": load["failed_steps"]}
         if steps:
             metrics["serve/mean_batch"] = d.get("rows", 0) / steps
             for key, value in d.items():

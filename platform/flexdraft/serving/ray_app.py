@@ -136,6 +136,8 @@ class Metrics:
         self.batch = m.Gauge("flexdraft_batch_size", "Rows decoded in the latest step")
         self.running = m.Gauge("flexdraft_num_requests_running", "Requests decoding")
         self.waiting = m.Gauge("flexdraft_num_requests_waiting", "Requests waiting for a row")
+        self.streams = m.Gauge("flexdraft_num_streams", "Callers waiting for tokens (0 when idle: none leaked)")
+        self.source = None  # the AsyncEngine whose streams are counted
         self.generated = m.Counter("flexdraft_generation_tokens", "Tokens generated")
         self.ttft = m.Histogram("flexdraft_time_to_first_token_seconds", "Time to first token",
                                 boundaries=self.LATENCY_BUCKETS)
@@ -150,6 +152,8 @@ class Metrics:
         self.batch.set(stats.rows)
         self.running.set(engine.active)
         self.waiting.set(len(engine.waiting))
+        if self.source is not None:
+            self.streams.set(self.source.load()["streams"])
         counts = spec_counts(stats)
         if counts["drafts"]:  # (a Ray counter refuses inc(0): a step whose drafts were all rejected accepts 0)
             self.drafts.inc(counts["drafts"])
@@ -220,7 +224,6 @@ class FlexDraftServer:
             check_exposure(cfg, _proxy_host())
         except FlexDraftError as e:
             raise ValueError(f"bad user_config: {e}") from None
-        Guard.max_body_bytes, Guard.api_key_env = cfg.max_body_bytes, cfg.api_key_env
         if self.engine is not None and not cfg.needs_new_engine(self.cfg):
             try:
                 changed = self.engine.call(lambda engine: apply_live(engine, cfg), timeout=cfg.request_timeout_s)
@@ -228,13 +231,15 @@ class FlexDraftServer:
                 raise ValueError(f"bad user_config: {e}") from None
             log.info(f"live engine reconfigured: {changed or 'nothing changed'}")
             self.cfg = cfg
+            Guard.max_body_bytes, Guard.api_key_env = cfg.max_body_bytes, cfg.api_key_env
             return
         if self.engine is not None:
             log.info("model, drafter, runtime or engine shape changed: building a new engine in this replica")
         lm, engine, note = build(cfg)
         old, old_reporter, self.lm, self.cfg = self.engine, self.reporter, lm, cfg
+        Guard.max_body_bytes, Guard.api_key_env = cfg.max_body_bytes, cfg.api_key_env
         self.name = cfg.served_model_name or lm.name
-        self.engine = AsyncEngine(engine, on_step=self.metrics.on_step)
+        self.engine = self.metrics.source = AsyncEngine(engine, on_step=self.metrics.on_step)
         log.info(f"serving {self.name} {note}")
         self.reporter = None
         if cfg.mlflow_every_s:
