@@ -1,7 +1,7 @@
 """The OpenAI completions and chat-completions protocol over the engine: validated request models
-(`openai_protocol`) to engine requests with OpenAI-style errors that name the field, prompts from text, token
+(`serving.protocol`) to engine requests with OpenAI-style errors that name the field, prompts from text, token
 ids or chat messages, incremental detokenisation with stop strings, and the response and stream-chunk bodies.
-serve/app.py puts them behind FastAPI."""
+serving/ray_app.py puts them behind FastAPI."""
 from __future__ import annotations
 
 import time
