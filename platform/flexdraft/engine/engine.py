@@ -406,9 +406,10 @@ class Engine:
 
     def recover(self) -> dict[int, list[int]]:
         """After a step that raised: every request in a row goes back to the front of the waiting queue (one that
-        had finished, to `finished`) with the tokens it has made -> {id: those tokens}. Its next admission
-        prefills prompt + tokens, so it goes on where it stood; the failed step's cache writes, drafts and plans
-        are dropped. Greedy outputs are unchanged by this; sampled ones keep their generator's stream."""
+        had finished, to `finished`) with the tokens it has made -> {id: those tokens} of these and of every
+        finished request not yet collected (the failed step may have finished and retired it before raising,
+        its last tokens undelivered). A re-queued request's next admission prefills prompt + tokens, so it goes on
+        where it stood; the failed step's cache writes, drafts and plans are dropped. Greedy outputs are unchanged by this; sampled ones keep their generator's stream."""
         back = list(self.slots)
         self.slots.clear()
         self.cache.lens.zero_()
@@ -419,7 +420,7 @@ class Engine:
                 self.waiting.appendleft(req)
             else:
                 self.finished[req.id] = req
-        return {req.id: list(req.tokens) for req in back}
+        return {req.id: list(req.tokens) for req in (*back, *self.finished.values())}
 
     def _sample(self, logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """logits [r, V] of rows -> [r] tokens drawn with each row's own params and generator."""

@@ -94,7 +94,6 @@ class AsyncEngine:
         self._strikes: dict[int, int] = {}  # request id -> failed steps it was in
         self._suspects: list[int] = []  # failed step's requests not yet re-admitted, in queue order
         self._probation: list = []  # [request id, steps left] of the request decoding alone after a failure
-        self._fault: str | None = None
         self._torch_threads = torch.get_num_threads()  # what the model was loaded for (RuntimeConfig.threads)
         self._thread = threading.Thread(target=self._run, name="flexdraft-engine", daemon=True)
         self._thread.start()
@@ -168,10 +167,10 @@ class AsyncEngine:
         self._thread.join(timeout)
 
     def inject_fault(self, kind: str) -> None:
-        """Test-only: "step" makes the next step raise (recovered as any failed step); "loop" ends the loop as
-        a bug in it would."""
-        if kind not in ("step", "loop"):
-            raise ValueError(f"unknown fault {kind!r}: step or loop")
+        """Test-only: "loop" ends the loop as a bug in it would (a failed step needs no hook: any exception in
+        a step is one)."""
+        if kind != "loop":
+            raise ValueError(f"unknown fault {kind!r}: the only one is loop")
         self._send(("fault", kind))
 
     def _unavailable(self) -> str:
@@ -227,9 +226,6 @@ class AsyncEngine:
 
     def _step(self) -> None:
         try:
-            if self._fault == "step":
-                self._fault = None
-                raise RuntimeError("injected step fault")
             out = self.engine.step()
         except Exception as e:  # noqa: BLE001 - one bad step must not take the replica down
             self._recover(e)
@@ -268,18 +264,19 @@ class AsyncEngine:
         admitted = self.engine.last_stats.admitted_ids
         alone = admitted[0] if probing and len(admitted) == 1 else \
             self._probation[0] if self._probation and self._probation[0] in moved else None
+        waiting = {r.id for r in self.engine.waiting}
+        unfinished = [rid for rid in moved if rid in waiting]  # the failed step's requests still to decode
         if alone is not None:
             culprits = [alone]
         else:
-            for rid in moved:
+            for rid in unfinished:
                 self._strikes[rid] = self._strikes.get(rid, 0) + 1
-            culprits = [rid for rid in moved if self._strikes[rid] >= MAX_STRIKES]
+            culprits = [rid for rid in unfinished if self._strikes[rid] >= MAX_STRIKES]
         failure = EngineFailed(f"the engine failed while decoding this request: {type(error).__name__}: {error}")
         for rid in culprits:
             self._end(rid, failure)
         self.charged += len(culprits)
-        waiting = {r.id for r in self.engine.waiting}
-        self._suspects = [rid for rid in moved if rid in waiting and rid not in culprits] + \
+        self._suspects = [rid for rid in unfinished if rid not in culprits] + \
             [rid for rid in self._suspects if rid in waiting and rid not in moved]
         self._probation = []
         self.engine.admit_limit = 1 if self._suspects else None
@@ -371,9 +368,7 @@ class AsyncEngine:
             except Exception as e:  # noqa: BLE001 - the caller gets it
                 ticket.set_exception(e)
         elif kind == "fault":
-            if command[1] == "loop":
-                raise _LoopKilled("injected loop fault")
-            self._fault = command[1]
+            raise _LoopKilled("injected loop fault")
 
     def _put(self, stream: _Stream, item) -> None:
         try:
