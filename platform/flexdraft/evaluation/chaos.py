@@ -8,6 +8,7 @@ engine death, the replica's RSS). Bounded in requests and time; loopback only.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import time
@@ -115,11 +116,9 @@ async def _send(client, url: str, raw: bytes, headers: dict, leave: float | None
             return r.status_code
 
     try:
-        if leave is not None:
-            try:
+        if leave is not None:  # the client leaves after `leave` seconds, answered by then or not
+            with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(go(), leave)
-            except asyncio.TimeoutError:
-                return "left"
             return "left"
         return await asyncio.wait_for(go(), timeout)
     except asyncio.TimeoutError:
@@ -197,7 +196,6 @@ def run_chaos(url: str, requests: int = 200, concurrency: int = 8, seed: int = 0
     report.before = settle(base, headers)
     asyncio.run(_chaos(base, requests, concurrency, seed, headers, timeout, max_seconds, body_limit,
                        prompts_of(dataset)[:64], report))
-    report.after = settle(base, headers)
     report.probe_unchanged = probe(base, headers) == before_ids
     report.after = settle(base, headers)
     report.seconds = time.monotonic() - t0

@@ -61,13 +61,13 @@ class Guard:
         if scope["type"] != "http":
             return await self.asgi(scope, receive, send)
         path = scope["path"].removeprefix(scope.get("root_path", "")) or "/"
-        key = os.environ.get(self.api_key_env)
+        key, headers = os.environ.get(self.api_key_env), dict(scope["headers"])
         if key and path.startswith("/v1/"):
-            given = dict(scope["headers"]).get(b"authorization", b"").removeprefix(b"Bearer ").strip()
+            given = headers.get(b"authorization", b"").removeprefix(b"Bearer ").strip()
             if not hmac.compare_digest(given, key.encode()):
                 return await _send_error(send, APIError(401, "invalid or missing API key (Authorization: Bearer ...)",
                                                         kind="authentication_error", code="invalid_api_key"))
-        length = dict(scope["headers"]).get(b"content-length")
+        length = headers.get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
             return await _send_error(send, self._too_large())
         body, more = [], True
@@ -264,7 +264,7 @@ class FlexDraftServer:
 
     def inject_fault(self, kind: str) -> None:
         """Test-only (with $FLEXDRAFT_FAULT_INJECTION=1 in the replica): "loop" ends the engine loop as a bug
-        would, "step" makes the next step raise."""
+        would."""
         if os.environ.get(FAULTS_ENV) != "1":
             raise PermissionError(f"fault injection is off (${FAULTS_ENV} is not 1 in this replica)")
         self.engine.inject_fault(kind)
