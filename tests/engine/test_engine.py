@@ -12,6 +12,7 @@ from flexdraft.core.config import RuntimeConfig
 from flexdraft.drafter.model import Drafter, DrafterConfig, read_drafter_meta, load_drafter
 from flexdraft.drafter.model import parallel_forward
 from flexdraft.engine.engine import Engine
+from flexdraft.engine.proposers import DrafterProposer
 from flexdraft.engine.config import EngineConfig
 from flexdraft.core.errors import FlexDraftError
 from flexdraft.speculative.sampling import SamplingParams, filtered_logits
@@ -71,19 +72,21 @@ def drafters(tiny):
             {"untrained": untrained, "random": random, "random-entry1-causal": entry1, "trained": trained}.items()}
 
 
-class OracleEngine(Engine):
-    """Drafts replaced after every drafting by the reference continuation (always right) or by a token that
-    differs from it (always wrong), with full confidence: verification alone must keep the output exact."""
+class OracleProposer(DrafterProposer):
+    """The drafter's drafts replaced, each time it writes them, by the reference continuation (always right) or
+    by a token that differs from it (always wrong), with full confidence: verification alone must keep the output
+    exact."""
 
-    def __init__(self, *args, reference: dict, wrong: bool, **kw):
-        super().__init__(*args, **kw)
-        self.reference, self.wrong = reference, wrong
+    def __init__(self, engine: Engine, reference: dict, wrong: bool):
+        p = engine.proposer
+        super().__init__(p.target, p.drafter, p.cache, p.state, p.trees, p.timed)
+        self.B, self.reference, self.wrong = engine.B, reference, wrong
 
-    def _set_drafts(self, rows, logits, from_branch=False):
-        super()._set_drafts(rows, logits, from_branch)
+    def write(self, rows, logits, slots, confidences, from_branch=False):
+        super().write(rows, logits, slots, confidences, from_branch)
         V = self.target.args.vocab_size
         for row in rows.tolist():
-            req = self.slots[row]
+            req = slots[row]
             ref = self.reference[tuple(req.prompt)][len(req.tokens):] + [0] * self.B
             drafts = torch.tensor(ref[: self.B]) + (1 if self.wrong else 0)
             self.state.drafts[row, : self.B] = drafts % V
@@ -109,7 +112,7 @@ def test_speculative_greedy_equals_ar_greedy(tiny, drafters, batch, mode, extra)
         engine = Engine(tiny, drafter, EngineConfig(mode=mode, max_batch=4, max_len=96, **extra), eos_token_ids=[eos])
         out = engine.generate(prompts, params)
         assert [g.token_ids for g in out] == ref, name
-        assert engine.totals["target_forwards"] < sum(map(len, ref))  # some step yielded several tokens
+        assert engine.totals.num_target_forwards < sum(map(len, ref))  # some step yielded several tokens
         taus[name] = sum(g.extra["tau"] for g in out) / batch
     if batch == 16 and mode == "sequential":
         assert taus["trained"] > taus["random"]  # the training fixture really trains
@@ -118,20 +121,22 @@ def test_speculative_greedy_equals_ar_greedy(tiny, drafters, batch, mode, extra)
 @pytest.mark.parametrize("mode,extra", MODES[:4], ids=["sequential", "parallel", "parallel-pruned", "tree"])
 @pytest.mark.parametrize("wrong", [False, True], ids=["always-right", "always-wrong"])
 def test_lossless_with_adversarial_and_perfect_drafts(tiny, drafters, mode, extra, wrong):
-    """Drafts forced to the reference continuation (every draft accepted: Bv + 1 tokens per forward) or to a
-    token that never matches (none accepted: one token per forward): the output is AR greedy either way."""
+    """Drafts forced to the reference continuation (every draft accepted, every step but a request's last, which
+    may reach past the reference: Bv + 1 tokens per forward) or to a token that never matches (none accepted: one
+    token per forward): the output is AR greedy either way."""
     prompts = ragged_prompts(5, seed=11)
     params = SamplingParams(max_new_tokens=25)
     ref = [g.token_ids for g in generate(tiny, prompts, params)]
     reference = {tuple(p): r for p, r in zip(prompts, ref)}
-    engine = OracleEngine(tiny, drafters["random"], EngineConfig(mode=mode, max_batch=5, max_len=96, **extra),
-                          reference=reference, wrong=wrong)
+    engine = Engine(tiny, drafters["random"], EngineConfig(mode=mode, max_batch=5, max_len=96, **extra))
+    engine.proposer = OracleProposer(engine, reference, wrong)
     out = engine.generate(prompts, params)
     assert [g.token_ids for g in out] == ref
-    accepted = [a for g in out for a in g.extra["accepted_lengths"]]
-    assert set(accepted) == ({0} if wrong else {4}) or (not wrong and max(accepted) == 4)
+    for g in out:  # every step accepts all 4 drafts (the last may reach past the reference), or none
+        accepted = g.extra["accepted_lengths"]
+        assert set(accepted) == {0} if wrong else (set(accepted[:-1]) <= {4} and len(accepted) > 1), accepted
     if not wrong and mode == "parallel":
-        assert engine.totals["pruned_misses"] == 0  # full confidence in every draft: branch Bv is kept
+        assert engine.pruned_misses == 0  # full confidence in every draft: branch Bv is kept
 
 
 class RandomPlanEngine(Engine):
@@ -142,10 +147,10 @@ class RandomPlanEngine(Engine):
         super().__init__(*args, **kw)
         self.rng = random.Random(seed)
 
-    def _choose(self, n):
+    def plan(self, n):
         Bv = self.rng.randint(1, self.B)
         plans = [Plan("ar"), Plan("sequential", Bv), Plan("tree", Bv), Plan("parallel", Bv, self.rng.randint(1, 3))]
-        if self._propose(n, self.lookup):
+        if self.lookups.propose(self.slots, n, self.lookup):
             plans.append(Plan("lookup", Bv))
         return self.rng.choice(plans)
 
@@ -169,19 +174,20 @@ def test_any_sequence_of_plans_is_lossless(tiny, drafters, batch):
     assert modes == {"ar", "sequential", "tree", "parallel", "lookup"}
 
 
-class SecondChoiceEngine(Engine):
+class SecondChoiceProposer(DrafterProposer):
     """Tree candidates where the reference token is the drafter's first choice at every slot but the second,
     whose first choice is wrong (the chain's draft there never passes)."""
 
-    def __init__(self, *args, reference: dict, second: int, **kw):
-        super().__init__(*args, **kw)
-        self.reference, self.second = reference, second
+    def __init__(self, engine: Engine, reference: dict, second: int):
+        p = engine.proposer
+        super().__init__(p.target, p.drafter, p.cache, p.state, p.trees, p.timed)
+        self.B, self.reference, self.second = engine.B, reference, second
 
-    def _set_drafts(self, rows, logits, from_branch=False):
-        super()._set_drafts(rows, logits, from_branch)
+    def write(self, rows, logits, slots, confidences, from_branch=False):
+        super().write(rows, logits, slots, confidences, from_branch)
         V, K = self.target.args.vocab_size, self.state.cand.shape[-1]
         for row in rows.tolist():
-            req = self.slots[row]
+            req = slots[row]
             ref = torch.tensor((self.reference[tuple(req.prompt)][len(req.tokens):] + [0] * self.B)[: self.B])
             cand = (ref[:, None] + torch.arange(max(K, 2))) % V  # [B, K]: the reference first
             cand[self.second - 1, :2] = cand[self.second - 1, :2].flip(0)  # ... except at slot `second`
@@ -200,8 +206,8 @@ def test_tree_accepts_a_path_through_a_second_choice(tiny, drafters):
     reference = {tuple(p): r for p, r in zip(prompts, ref)}
     accepted = {}
     for mode in ("tree", "sequential"):
-        engine = SecondChoiceEngine(tiny, drafters["random"], EngineConfig(mode=mode, max_batch=5, max_len=96,
-                                                                         tree_nodes=24), reference=reference, second=2)
+        engine = Engine(tiny, drafters["random"], EngineConfig(mode=mode, max_batch=5, max_len=96, tree_nodes=24))
+        engine.proposer = SecondChoiceProposer(engine, reference, second=2)
         out = engine.generate(prompts, params)
         assert [g.token_ids for g in out] == ref, mode
         accepted[mode] = [g.extra["accepted_lengths"][:-1] for g in out]  # the last step may pass max_new_tokens
@@ -275,6 +281,14 @@ def exact_distribution(model, prompt, params, n_tokens) -> dict[tuple, float]:
     return probs
 
 
+def marginal(dist: dict[tuple, float], j: int) -> dict[tuple, float]:
+    """A distribution (or counts) over sequences -> over their token j."""
+    out: dict[tuple, float] = {}
+    for seq, p in dist.items():
+        out[seq[j:j + 1]] = out.get(seq[j:j + 1], 0) + p
+    return out
+
+
 def chi_square_ok(counts: dict, exact: dict, n: int, alpha_z: float = 3.09) -> tuple[float, float]:
     """Pearson chi-square over outcomes with expected count >= 5 (the rest pooled); returns (statistic,
     the 0.999 quantile by the Wilson-Hilferty approximation; z = 3.09 is the normal 0.999 quantile)."""
@@ -296,8 +310,10 @@ def chi_square_ok(counts: dict, exact: dict, n: int, alpha_z: float = 3.09) -> t
 def test_speculative_sampling_follows_the_target_distribution(tmp_path, top_p):
     """Tiny vocabulary (12 tokens), temperature 1 (and top-p 0.8): the first 3 tokens of 6000 sampled
     generations in sequential, parallel, tree and lookup mode, with a random drafter whose q is far from p, match the
-    exact target distribution (enumerated) by a chi-square test at significance 0.001; the same counts fail
-    against the distribution at temperature 1.3 (the test has power)."""
+    exact target distribution (enumerated) by chi-square tests at significance 0.001 (the joint, and the marginal of
+    each speculated position), in runs that verified drafts
+    and both accepted and rejected some; in every mode the same counts fail against the distribution at
+    temperature 1.3 (the test has power)."""
     make_tiny_hf("llama", tmp_path, vocab_size=12, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     model = load_model(tmp_path, CPU32, with_tokenizer=False).model
     torch.manual_seed(0)
@@ -308,6 +324,7 @@ def test_speculative_sampling_follows_the_target_distribution(tmp_path, top_p):
     drafter.to_runtime(model)
     prompt = [3, 7, 5, 9]
     exact = exact_distribution(model, prompt, SamplingParams(temperature=1.0, top_p=top_p), 3)
+    hotter = exact_distribution(model, prompt, SamplingParams(temperature=1.3, top_p=top_p), 3)
     N = 6000
     # a store whose chains differ from the prompt's: lookup steps then verify two chains as one trie
     g = torch.Generator().manual_seed(1)
@@ -326,9 +343,15 @@ def test_speculative_sampling_follows_the_target_distribution(tmp_path, top_p):
             counts[seq] = counts.get(seq, 0) + 1
         stat, q = chi_square_ok(counts, exact, N)
         assert stat < q, (mode, kw, stat, q)
-    # power: the same counts against the distribution at temperature 1.3 (a subtly wrong sampler) fail
-    stat, q = chi_square_ok(counts, exact_distribution(model, prompt, SamplingParams(temperature=1.3, top_p=top_p), 3), N)
-    assert stat > q
+        for j in (1, 2):  # each speculated position alone: 12 cells, more power than the joint's many sparse ones
+            stat, q = chi_square_ok(marginal(counts, j), marginal(exact, j), N)
+            assert stat < q, (mode, kw, f"position {j}", stat, q)
+        # it speculated: drafts were verified, and some accepted and some rejected (not plain sampling)
+        t = engine.totals
+        assert t.num_drafts > 0 and 0 < t.num_accepted_tokens < t.num_draft_tokens, (mode, kw, t)
+        # power: the same counts against the distribution at temperature 1.3 (a subtly wrong sampler) fail
+        stat, q = chi_square_ok(counts, hotter, N)
+        assert stat > q, (mode, kw, "no power")
 
 
 def test_requests_joining_and_aborted_mid_flight_leave_other_rows_unchanged(tiny, drafters):
@@ -461,19 +484,19 @@ def test_adaptive_policy_follows_the_measured_costs(tiny, drafters):
 
     cheap, costly = engine(0.005, 0.01, tree_nodes=0), engine(0.1, 0.1)
     cheap.state.ndrafts[:1] = cheap.B  # a row holding drafts (see below for rows without)
-    assert cheap._choose(1).mode == "parallel" and cheap._choose(5).mode == "sequential"
-    assert costly._choose(5) == costly._choose(1) == type(costly._choose(1))("ar")
+    assert cheap.plan(1).mode == "parallel" and cheap.plan(5).mode == "sequential"
+    assert costly.plan(5) == costly.plan(1) == type(costly.plan(1))("ar")
     # token trees: worth it where a forward's cost hardly grows with its tokens, not where it grows fast
-    assert engine(0.005, 0.01)._choose(5).mode == "tree"
-    assert engine(0.005, 0.01, per_token=3e-3)._choose(5).mode != "tree"
+    assert engine(0.005, 0.01).plan(5).mode == "tree"
+    assert engine(0.005, 0.01, per_token=3e-3).plan(5).mode != "tree"
     # a parallel step's drafts come from the last step's branches: rows without any (fresh, or after an AR or
     # lookup step) need a drafter pass first, and with a draft pass as dear as a target forward that is not worth it
     even = engine(0.01, 0.011, tree_nodes=0)
-    assert even._choose(1).mode != "parallel"  # an idle engine's rows have no drafts
+    assert even.plan(1).mode != "parallel"  # an idle engine's rows have no drafts
     even.state.ndrafts[:1] = even.B
-    assert even._choose(1).mode == "parallel"
+    assert even.plan(1).mode == "parallel"
     rule = Engine(tiny, drafters["trained"], EngineConfig(mode="adaptive", switch_batch=2, cost_model=False))
-    assert [rule._choose(n).mode for n in (1, 2, 3)] == ["parallel", "parallel", "sequential"]
+    assert [rule.plan(n).mode for n in (1, 2, 3)] == ["parallel", "parallel", "sequential"]
 
 
 def test_lookup_proposes_what_followed_the_latest_longest_match():
@@ -551,9 +574,9 @@ def test_lookup_with_an_ngram_store_equals_ar_greedy(tiny, drafters, batch):
             tries = 0
             ids = [engine.add_request(p, params) for p in prompts]
             while engine.has_work():
-                engine._proposals = []
+                engine.lookups.proposals = []
                 engine.step()
-                tries += engine.last_stats.mode == "lookup" and any(len(c) > 1 for c, _ in engine._proposals)
+                tries += engine.last_stats.mode == "lookup" and any(len(c) > 1 for c, _ in engine.lookups.proposals)
             results = [engine.result(i) for i in ids]
             assert [r.token_ids for r in results] == ref, (mode, name)
             forwards[name] = sum(r.extra["forwards"] for r in results)  # per row: the rows end at their own times
@@ -588,7 +611,7 @@ def test_adaptive_verifies_store_chains_only_where_they_pay(tiny, drafters):
             e.step()
             if e.last_stats.mode == "lookup":
                 Bv = e.last_stats.block
-                nodes.append((Bv, max(len(trie_nodes([c[:Bv] for c in cs])) for cs, _ in e._proposals)))
+                nodes.append((Bv, max(len(trie_nodes([c[:Bv] for c in cs])) for cs, _ in e.lookups.proposals)))
         assert [e.result(i).token_ids for i in ids] == ref
         return nodes
 
@@ -618,7 +641,7 @@ def test_adaptive_takes_lookup_steps_where_they_pay_and_stays_exact(tiny, drafte
             e.step()
             modes.append(e.last_stats.mode)
         assert [e.result(i).token_ids for i in ids] == ref
-        return modes, e.totals["target_forwards"]
+        return modes, e.totals.num_target_forwards
 
     (modes, forwards), (off_modes, off_forwards) = run(4), run(0)
     assert "lookup" in modes and "lookup" not in off_modes
@@ -640,8 +663,8 @@ def test_a_draining_batch_takes_lookup_steps_only_where_every_lagging_row_has_a_
     proposals = [([[5, 6, 7, 8]], "lookup3"), ([], None)]  # row 0 has a match, row 1 none
 
     def plan():
-        e._propose = lambda n, max_n, first=None: setattr(e, "_proposals", list(proposals)) or True
-        return e._lookup_plan(2, e.band(2), 2 / 0.01)  # (AR's rate)
+        e.lookups.propose = lambda slots, n, max_n, first=None: setattr(e.lookups, "proposals", list(proposals)) or 1
+        return e.lookups.plan(e.slots, 2, e.band(2), 2 / 0.01, bool(e.waiting))  # (AR's rate)
 
     assert e.waiting and plan() is not None
     e.abort(ids[2])
@@ -701,3 +724,33 @@ def test_cost_model_tells_rows_from_tokens_per_row():
         assert costs.seconds("target", rows, tokens) == pytest.approx(f(rows, tokens))
     assert costs.seconds("target", 16, 2) != pytest.approx(costs.seconds("target", 4, 8))
     assert costs.seconds("target", 32, 3) == pytest.approx(2 * f(16, 3))
+
+
+def test_engine_totals_are_the_sum_of_its_steps(tiny, drafters):
+    """Over a whole run, the engine's totals equal the sum over its steps' own stats, and its tokens are every
+    token the requests got."""
+    from flexdraft.engine.stats import SpecDecodingStats
+
+    engine = Engine(tiny, drafters["trained"], EngineConfig(mode="adaptive", max_batch=3, max_len=96, cost_model=False))
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=12)) for p in ragged_prompts(4, seed=2)]
+    mine = SpecDecodingStats()
+    while engine.has_work():
+        engine.step()
+        mine.observe(engine.last_stats)
+    assert engine.totals == mine
+    assert mine.num_tokens == sum(len(engine.result(i).token_ids) for i in ids)
+    assert mine.num_drafts > 0 and mine.num_accepted_tokens_per_pos[0] <= mine.num_drafts
+
+
+def test_reconfigure_is_checked_whole_before_anything_changes(tiny, drafters):
+    """`reconfigure` takes live knobs only, applies nothing when any value is invalid, and the planner follows
+    the knobs it owns (switch_batch, cost_model) with re-priced plans."""
+    engine = Engine(tiny, drafters["trained"], EngineConfig(mode="adaptive", switch_batch=4, max_len=96))
+    with pytest.raises(FlexDraftError, match="not a live engine knob: max_batch"):
+        engine.reconfigure(max_batch=2)
+    with pytest.raises(FlexDraftError, match="rho must be in"):
+        engine.reconfigure(switch_batch=1, rho=0.0)
+    assert engine.config.switch_batch == engine.planner.switch_batch == 4
+    assert engine.reconfigure(switch_batch=1, cost_model=False, top_m=0) == {"switch_batch": 1, "cost_model": False}
+    assert (engine.planner.switch_batch, engine.planner.cost_model) == (1, False)
+    assert [engine.plan(n).mode for n in (1, 2)] == ["parallel", "sequential"]

@@ -1,5 +1,5 @@
 """The engine's configuration (`EngineConfig`: the mode, the policy knobs, the batch and cache sizes; also the
-flags of `flexdraft generate`) and what one step reports (`StepStats`)."""
+flags of `flexdraft generate`) and the decoding modes."""
 from __future__ import annotations
 
 import enum
@@ -75,18 +75,3 @@ class EngineConfig:
             self.max_len = min(2048, context)
         if not 2 <= self.max_len <= context:
             raise FlexDraftError(f"max_len={self.max_len} must be between 2 and the model's context of {context}")
-
-
-@dataclass
-class StepStats:
-    mode: str  # ar | sequential | tree | parallel | lookup | idle
-    rows: int  # rows decoded this step (after admission)
-    admitted: int = 0
-    admitted_ids: list[int] = field(default_factory=list)  # the requests prefilled this step
-    block: int = 0  # drafts verified per row
-    drafted_rows: int = 0  # rows that needed a sequential drafter pass
-    branches: float = 0.0  # parallel: branches kept per row (mean)
-    pruned_misses: int = 0  # parallel: rows whose real accepted length fell on a pruned branch
-    accepted: list[int] = field(default_factory=list)  # accepted drafts per verified row
-    seconds: float = 0.0
-    forward_seconds: dict = field(default_factory=dict)  # prefill / draft / target / parallel

@@ -27,64 +27,30 @@ import dataclasses
 import itertools
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 import torch
 
-from flexdraft.drafter.model import Drafter, parallel_forward
-from flexdraft.engine.config import NO_DRAFTER, EngineConfig, StepStats
 from flexdraft.core.errors import FlexDraftError
-from flexdraft.speculative.sampling import Generation, SamplingParams, argmax_tokens, draw, filtered_logits, make_generator, sample, top_logprobs
+from flexdraft.drafter.model import Drafter, parallel_forward
 from flexdraft.engine.ar import prefill
-from flexdraft.speculative.lookup import NgramIndex, NgramStore
+from flexdraft.engine import profiling
+from flexdraft.engine.config import NO_DRAFTER, EngineConfig, Mode
+from flexdraft.engine.proposers import DrafterProposer, LookupProposer
+from flexdraft.engine.state import Request, RowState
+from flexdraft.engine.stats import IDLE, SpecDecodingStats, StepStats
 from flexdraft.models.transformer import Transformer
-from flexdraft.speculative.policy_file import Band, Policy
-from flexdraft.speculative.planner import LOOKUP_MARGIN, Planner, measure, profile_shapes
 from flexdraft.speculative.branches import Plan, branch_anchors
-from flexdraft.speculative.trees import chain_trie, draft_tree, tree_ancestors, tree_sample, tree_tokens, tree_walk
+from flexdraft.speculative.lookup import NgramIndex, NgramStore
+from flexdraft.speculative.planner import LOOKUP_MARGIN, Planner
+from flexdraft.speculative.policy_file import Band, Policy
+from flexdraft.speculative.sampling import (Generation, SamplingParams, argmax_tokens, filtered_logits,
+                                            make_generator, sample)
+from flexdraft.speculative.trees import (chain_trie, draft_tree, path_slots, tree_ancestors, tree_mask, tree_sample,
+                                         tree_tokens, tree_walk)
 from flexdraft.speculative.verify import greedy_accept, speculative_sample
 
-@dataclass
-class _Request:
-    id: int
-    prompt: list[int]
-    params: SamplingParams
-    generator: torch.Generator | None
-    tokens: list[int] = field(default_factory=list)
-    accepted: list[int] = field(default_factory=list)  # accepted drafts per speculative step
-    forwards: int = 0  # target forwards after the prefill (AR or verify steps)
-    modes: dict = field(default_factory=dict)  # those forwards by step mode
-    finish_reason: str | None = None
-    index: NgramIndex | None = None  # its prompt and tokens, for lookup drafts
-
-
-@dataclass
-class RowState:
-    """What each cache row holds beside its cached tokens (row r of every tensor = cache row r); `move` covers
-    every field, so a new one cannot be forgotten when a finished row is filled."""
-    bonus: torch.Tensor  # [R] the last emitted token, not yet in the cache (it sits at position lens)
-    drafts: torch.Tensor  # [R, B] d_1.. for positions lens+1..
-    conf: torch.Tensor  # [R, B] fp32 q_j(d_j)
-    ndrafts: torch.Tensor  # [R] valid drafts per row (0: draft first)
-    from_branch: torch.Tensor  # [R] bool: a parallel branch made the drafts
-    cand: torch.Tensor  # [R, B, K] each draft slot's top-K candidates (token trees)
-    cand_logp: torch.Tensor  # [R, B, K] fp32, their log-probabilities
-    q: torch.Tensor | None = None  # [R, B, V] fp32 draft distributions, allocated for the first sampled request
-
-    @staticmethod
-    def empty(rows: int, block: int, tree_width: int, device) -> "RowState":
-        zeros = lambda *shape, dtype=torch.long: torch.zeros(*shape, dtype=dtype, device=device)
-        return RowState(bonus=zeros(rows), drafts=zeros(rows, block), conf=zeros(rows, block, dtype=torch.float32),
-                        ndrafts=zeros(rows), from_branch=zeros(rows, dtype=torch.bool),
-                        cand=zeros(rows, block, tree_width),
-                        cand_logp=zeros(rows, block, tree_width, dtype=torch.float32))
-
-    def move(self, src: int, dst: int) -> None:
-        """Row src's state into row dst."""
-        for f in dataclasses.fields(self):
-            t = getattr(self, f.name)
-            if t is not None:
-                t[dst] = t[src]
+# the knobs `reconfigure` may change on a live engine (the rest size its buffers or pick its parts)
+LIVE_KNOBS = ("switch_batch", "top_m", "rho", "calibrate", "cost_model")
 
 
 class Engine:
@@ -114,23 +80,42 @@ class Engine:
         weighed = config.mode == "lookup" or (config.mode == "adaptive" and (config.cost_model or policy is not None))
         self.lookup = config.lookup if weighed else 0
         self.store = store if self.lookup else None  # a corpus's drafts beside the request's own (lookup steps)
-        self._proposals: list[tuple[list[list[int]], str | None]] = []  # this step's lookup chains per row, kind
         self.eos = set(eos_token_ids)
         R, dev = config.max_batch, target.device
         self.cache = target.new_cache(R, config.max_len)
         self.trees = bool(self.B and config.tree_nodes and config.mode in ("tree", "adaptive"))
         self.state = RowState.empty(R, max(self.B, 1), min(config.tree_width, target.args.vocab_size)
                                     if self.trees else 1, dev)
-        self.slots: list[_Request] = []  # request of cache row r
-        self.waiting: deque[_Request] = deque()
+        self.slots: list[Request] = []  # request of cache row r
+        self.waiting: deque[Request] = deque()
         self.admit_limit: int | None = None  # at most this many admissions a step (a server isolating a failure)
-        self.finished: dict[int, _Request] = {}
+        self.finished: dict[int, Request] = {}
         self._ids = itertools.count()
         self.planner = Planner(self.B, config.switch_batch, config.tree_nodes, self.trees, config.cost_model,
                                acceptance_prior)
         self.acceptance, self.costs = self.planner.acceptance, self.planner.costs
-        self.last_stats = StepStats("idle", 0)
-        self.totals = {"steps": 0, "tokens": 0, "target_forwards": 0, "pruned_misses": 0, "parallel_rows": 0}
+        # the proposers (engine/proposers.py): the drafter's drafts, prompt lookup's (+ the store's)
+        self.proposer = DrafterProposer(target, drafter, self.cache, self.state, self.trees, self.timed) \
+            if drafter is not None else None
+        self.lookups = LookupProposer(self.B, self.store, self.planner)
+        self.last_stats = StepStats(IDLE, 0)
+        self.totals = SpecDecodingStats()  # since start
+        self.pruned_misses = 0  # parallel steps' rows whose accepted length fell on a pruned branch, since start
+
+    def reconfigure(self, **knobs) -> dict:
+        """Change live policy knobs (`LIVE_KNOBS`; a policy's own knobs are its bands') -> those that changed.
+        Checked whole before any is applied; plans are re-priced at their next use. The one way to change them."""
+        unknown = set(knobs) - set(LIVE_KNOBS)
+        if unknown:
+            raise FlexDraftError(f"not a live engine knob: {', '.join(sorted(unknown))} (live: {', '.join(LIVE_KNOBS)})")
+        changed = {k: v for k, v in knobs.items() if v != getattr(self.config, k)}
+        trial = dataclasses.replace(self.config, **changed)
+        trial.check(self.drafter, self.target.args.max_position_embeddings)
+        for k, v in changed.items():
+            setattr(self.config, k, v)
+        self.planner.switch_batch, self.planner.cost_model = self.config.switch_batch, self.config.cost_model
+        self.planner.forget_plans()
+        return changed
 
     # ---------------------------------------------------------------- requests
 
@@ -155,7 +140,7 @@ class Engine:
         prompt = [int(t) for t in prompt_ids]
         self.check_request(prompt, params)
         V = self.target.args.vocab_size
-        req = _Request(next(self._ids), prompt, params, make_generator(params, self.target.device),
+        req = Request(next(self._ids), prompt, params, make_generator(params, self.target.device),
                        index=NgramIndex(prompt, self.lookup) if self.lookup else None)
         if not params.greedy and self.state.q is None and self.B:
             self.state.q = torch.zeros(self.config.max_batch, self.B, V, device=self.target.device)
@@ -209,34 +194,39 @@ class Engine:
     def step(self) -> dict[int, list[int]]:
         """One decoding step for every active row (after admitting waiting requests): {id: new token ids}."""
         t0 = time.perf_counter()
-        stats = self.last_stats = StepStats("idle", 0)  # this step's, filled as it goes
+        stats = self.last_stats = StepStats(IDLE, 0)  # this step's, filled as it goes
         out = self._admit()
         self._retire()
         n = len(self.slots)
         if n:
-            plan = self._choose(n)
+            plan = self.plan(n)
             stats.mode, stats.rows, stats.block = plan.mode, n, plan.block
-            if plan.mode not in NO_DRAFTER:  # (lookup drafts: set by _verify, as a chain or a trie)
+            if plan.mode not in NO_DRAFTER:  # (lookup drafts: written by _verify, as a chain or a trie)
                 need = (self.state.ndrafts[:n] < plan.block).nonzero().squeeze(-1)
                 if need.numel():
                     stats.drafted_rows = need.numel()
-                    self._draft(need, plan.block)
+                    self.proposer.propose(need, plan.block, self.slots, self._parallel_may_follow(n))
             for rid, tokens in self._verify(n, plan).items():  # (a row admitted this step: after its first)
                 out.setdefault(rid, []).extend(tokens)
             self._retire()
         self._sync()
         stats.seconds = time.perf_counter() - t0
+        stats.tokens = sum(len(v) for v in out.values())
         if n and not stats.admitted:
             self.costs.record_step(stats.mode, stats.seconds, sum(stats.forward_seconds.values()))
-        self.totals["steps"] += 1
-        self.totals["tokens"] += sum(len(v) for v in out.values())
+        self.totals.observe(stats)
         return out
+
+    def _parallel_may_follow(self, n: int) -> bool:
+        """Whether a parallel step may come at n rows (its pruning weighs the drafts' confidences)."""
+        mode = self.band(n).mode
+        return mode == Mode.PARALLEL or (mode == Mode.ADAPTIVE and n <= self.config.switch_batch)
 
     def _sync(self):
         if self.target.device.type == "cuda":
             torch.cuda.synchronize()
 
-    def _timed(self, kind: str, fn, rows: int = 0, tokens: int = 0):
+    def timed(self, kind: str, fn, rows: int = 0, tokens: int = 0):
         """Run fn, add its wall time to this step's `last_stats` under `kind` and, for a forward of `rows` rows x
         `tokens` tokens each, to the cost model."""
         self._sync()
@@ -264,124 +254,25 @@ class Engine:
             return []
         return sorted({b.tree_nodes for b in self.policy.bands} - {0}) if self.policy else [self.config.tree_nodes]
 
-    def _choose(self, n: int) -> Plan:
+    def plan(self, n: int) -> Plan:
         """The plan of a step with n rows, by their band: a fixed mode (lookup: AR when no row has a match), or
         adaptive: the planner's (`Planner.adaptive`), unless this step's lookup drafts promise more."""
         band = self.band(n)
         Bv = band.block or self.B
-        if band.mode == "lookup":
-            return Plan("lookup", Bv) if self._propose(n, band.lookup) else Plan("ar")
-        if band.mode != "adaptive":
-            return Plan(band.mode, 0 if band.mode == "ar" else Bv)
+        if band.mode == Mode.LOOKUP:
+            return Plan("lookup", Bv) if self.lookups.propose(self.slots, n, band.lookup) else Plan("ar")
+        if band.mode != Mode.ADAPTIVE:
+            return Plan(band.mode, 0 if band.mode == Mode.AR else Bv)
         fresh = int((self.state.ndrafts[:n] == 0).sum())
-        plan, rate = self.planner.adaptive(n, fresh, self.totals["steps"], band)
+        plan, rate = self.planner.adaptive(n, fresh, self.totals.num_steps, band)
         if band.lookup and rate is not None:  # against an AR step, a margin (see LOOKUP_MARGIN)
-            return self._lookup_plan(n, band, rate * (LOOKUP_MARGIN if plan.mode == "ar" else 1.0)) or plan
+            rate_to_beat = rate * (LOOKUP_MARGIN if plan.mode == Mode.AR else 1.0)
+            return self.lookups.plan(self.slots, n, band, rate_to_beat, bool(self.waiting)) or plan
         return plan
 
-    def _propose(self, n: int, max_n: int, first: list[int] | None = None) -> bool:
-        """This step's lookup chains of rows 0..n-1 from n-grams of up to max_n tokens (`_proposals`: per row its
-        chains, the prompt's first, and the acceptance kind they count towards, None without any); True when some
-        row has one. With `first`, rows that all need one: False as soon as one has none, the others not proposed
-        (16 rows: ~1 ms a step)."""
-        proposals: list = [None] * n
-        for row in first or ():
-            proposals[row] = self._proposal(self.slots[row], max_n)
-            if proposals[row][1] is None:
-                return False
-        self._proposals = [p or self._proposal(req, max_n) for p, req in zip(proposals, self.slots[:n])]
-        return any(kind for _, kind in self._proposals)
-
-    def _proposal(self, req: _Request, max_n: int) -> tuple[list[list[int]], str | None]:
-        chain, size = req.index.propose(self.B, max_n)
-        chains, kind = ([chain], f"lookup{size}") if size else ([], None)
-        if self.store is not None:
-            extra, size = self.store.propose(req.index.tokens, self.B)
-            if extra and extra != chain[:len(extra)]:  # a prefix of the prompt's chain adds nothing
-                chains.append(extra)
-                kind = kind or f"store{size}"
-        return chains, kind
-
-    def _critical_rows(self, n: int) -> list[int] | None:
-        """The rows that set when this batch drains: None while requests wait (a row that finishes early is
-        refilled, so every row's tokens count); else the rows with the most tokens left to their max_new_tokens
-        (within B of the most). Drafts that speed up other rows end those rows early, not the batch: at 16 rows,
-        lookup steps where 9-14 rows had a match made 2.6 tokens per row, yet the batch took 62 steps against
-        AR's 63, each dearer (adaptive 0.92x of AR, the same prompts in lockstep)."""
-        if self.waiting:
-            return None
-        left = [req.params.max_new_tokens - len(req.tokens) for req in self.slots[:n]]
-        return [row for row, x in enumerate(left) if x >= max(left) - self.B]
-
-    def _lookup_plan(self, n: int, band: Band, rate_to_beat: float) -> Plan | None:
-        """A lookup step if one promises more than rate_to_beat tokens per second (`Planner.lookup`); it needs a
-        match in every critical row (`_critical_rows`). With a store it also weighs the prompt's chains alone: a
-        trie of two chains verifies up to twice the tokens, which at 4-16 rows costs more than the store's chains
-        add (and `_proposals` becomes what won)."""
-        critical = self._critical_rows(n)
-        if not self._propose(n, band.lookup, first=critical):  # (a critical row without a match: n tokens, as AR, dearer)
-            return None
-        options = [self._proposals]
-        if self.store is not None:
-            options.append([(cs[:1], kind) if kind and kind.startswith("lookup") else ([], None)
-                            for cs, kind in self._proposals])
-        best = self.planner.lookup(options, critical, rate_to_beat, band.block or self.B)
-        if best is None:
-            return None
-        plan, chosen = best
-        self._proposals = options[chosen]
-        return plan
-
-    def _set_lookup_drafts(self, n: int, Bv: int) -> None:
-        """Rows 0..n-1 get their (single) lookup chain, filled up to Bv with the row's bonus (a store chain can
-        end early; a row without a match gets filler only), verified like any draft; sampled rows' q is the point
-        mass on each draft (accepted with probability p(d_j))."""
-        bonus = self.state.bonus[:n].tolist()
-        chains = [((c[0] if c else []) + [b] * Bv)[:Bv] for (c, _), b in zip(self._proposals, bonus)]
-        drafts = torch.tensor(chains, dtype=torch.long, device=self.state.drafts.device)  # [n, Bv]
-        self.state.drafts[:n, :Bv] = drafts
-        self.state.conf[:n, :Bv] = 1.0
-        self.state.ndrafts[:n] = Bv
-        self.state.from_branch[:n] = False
-        for row in range(n):
-            if not self.slots[row].params.greedy:
-                self.state.q[row, :Bv] = torch.nn.functional.one_hot(drafts[row], self.state.q.shape[-1]).float()
-
-    @torch.inference_mode()
     def profile(self, context: int = 256, rounds: int = 5, timer=None) -> dict:
-        """Time each kind of forward over the shapes the planner prices (`planner.profile_shapes`; rows at
-        `context` cached tokens) and seed the cost model with them (`planner.measure`); must run while no request
-        is active. Returns {kind: {(rows, tokens per row): s}}. timer(kind, rows, tokens per row, branches) ->
-        seconds of one forward (`_time_forward` by default)."""
-        if self.slots:
-            raise FlexDraftError("profile() needs an idle engine (no active rows)")
-        if self.drafter is None:
-            return {}
-        B = self.B
-        self.cache.lens.fill_(min(context, self.config.max_len - max((B + 1) * (B + 2), self.config.tree_nodes + 1)))
-        self.state.bonus.fill_(0)
-        self.state.drafts.fill_(0)
-        shapes = profile_shapes(self.config.max_batch, B, self.config.switch_batch, self.tree_sizes())
-        points = measure(shapes, timer or self._time_forward, rounds)
-        self.costs.set_profile(points)
-        self.cache.lens.zero_()
-        self.last_stats = StepStats("idle", 0)
-        return points
-
-    def _time_forward(self, kind: str, n: int, T: int, m: int) -> float:
-        """One forward of `kind` (target / draft / parallel with m branches) for rows 0..n-1, T tokens each, at
-        the rows' cache lengths -> seconds."""
-        dev = self.target.device
-        rows = torch.arange(n, device=dev)
-        pos = self.cache.lens[:n, None] + torch.arange(T, device=dev)
-        tokens = torch.zeros(n, T, dtype=torch.long, device=dev)
-        anchors = torch.arange(m, device=dev).expand(n, m)
-        runs = {"target": lambda: self._target_logits(tokens, pos, self.cache.rows(0, n)),
-                "draft": lambda: self._draft_forward(rows, T - 1),
-                "parallel": lambda: self._parallel_logits(tokens, pos, self.cache.rows(0, n), anchors)}
-        self.last_stats = StepStats("profile", n)
-        self._timed(kind, runs[kind])
-        return self.last_stats.forward_seconds[kind]
+        """Seed the cost model with the measured forwards the planner prices (`profiling.profile`)."""
+        return profiling.profile(self, context, rounds, timer)
 
     def _admit(self) -> dict[int, list[int]]:
         """Prefill waiting requests into free rows (longest first) -> {id: [their next token]}. A request that
@@ -398,7 +289,7 @@ class Engine:
         self.last_stats.admitted, self.last_stats.admitted_ids = len(new), [r.id for r in new]
         rows = torch.arange(n0, n0 + len(new), device=self.target.device)
         view = self.cache.rows(n0, n0 + len(new))
-        h = self._timed("prefill", lambda: prefill(self.target, view, [r.prompt + r.tokens for r in new]))
+        h = self.timed("prefill", lambda: prefill(self.target, view, [r.prompt + r.tokens for r in new]))
         first = self._sample(self.target.logits(h), rows)  # [k]
         self.state.bonus[rows] = first
         self.state.ndrafts[rows] = 0
@@ -448,54 +339,7 @@ class Engine:
             req.finish_reason = "length"
         return emitted
 
-    def _set_drafts(self, rows: torch.Tensor, logits: torch.Tensor, from_branch: bool = False) -> None:
-        """Draft logits [r, Bv, V] of rows -> drafts (argmax, or drawn from q for sampled rows) + confidences."""
-        Bv = logits.shape[1]
-        band = self.band(len(self.slots))
-        if self.trees:  # a tree step may come next: keep each slot's top candidates (the first is the draft)
-            logp, cand = top_logprobs(logits, self.state.cand.shape[-1])  # [r, Bv, K]
-            self.state.cand[rows, :Bv], self.state.cand_logp[rows, :Bv] = cand, logp
-            conf, drafts = logp[..., 0].exp(), cand[..., 0]
-        elif band.mode == "parallel" or (band.mode == "adaptive" and len(self.slots) <= self.config.switch_batch):
-            logp, drafts = top_logprobs(logits, 1)  # pruning weighs the confidences
-            conf, drafts = logp[..., 0].exp(), drafts[..., 0]  # [r, Bv]
-        else:  # no parallel step can come next at this batch size: skip the softmax over the vocabulary
-            drafts = argmax_tokens(logits)
-            conf = torch.ones(drafts.shape, device=drafts.device)
-        for i, row in enumerate(rows.tolist()):
-            req = self.slots[row]
-            if not req.params.greedy:
-                q = filtered_logits(logits[i], req.params).softmax(-1)  # [Bv, V]
-                drafts[i] = draw(q, req.generator)
-                conf[i] = q.gather(-1, drafts[i][:, None]).squeeze(-1)
-                self.state.q[row, :Bv] = q
-        self.state.drafts[rows, :Bv] = drafts
-        self.state.conf[rows, :Bv] = conf
-        self.state.ndrafts[rows] = Bv
-        self.state.from_branch[rows] = from_branch
-
-    def _draft(self, rows: torch.Tensor, Bv: int) -> None:
-        """Sequential drafter pass for `rows`: slot 0 = their known bonus, slots 1..Bv draft."""
-        logits = self._timed("draft", lambda: self._draft_forward(rows, Bv), rows.numel(), Bv + 1)
-        self._set_drafts(rows, logits)
-
-    def _draft_forward(self, rows: torch.Tensor, Bv: int) -> torch.Tensor:
-        """-> draft logits [r, Bv, V] of a block at each row's length (slot 0 = the bonus, at its position: its
-        output, the target's own next token, is d_1)."""
-        dev, T = self.target.device, Bv + 1
-        inputs = self.drafter.slot_inputs(self.target, self.state.bonus[rows], torch.ones_like(rows, dtype=torch.bool))
-        first = int(rows[0])
-        if torch.equal(rows, torch.arange(first, first + rows.numel(), device=dev)):  # contiguous: no copies
-            h = self.drafter.forward_in_cache(self.target, inputs[:, :T], self.cache.rows(first, first + rows.numel()))
-        else:  # scattered rows (fresh or pruned ones among others): read their prefixes by index
-            lens = self.cache.lens[rows]  # [r]
-            pos = lens[:, None] + torch.arange(T, device=dev)  # [r, T]
-            S = int(lens.max())
-            ctx = (torch.arange(S, device=dev) < lens[:, None, None]).expand(-1, T, S)  # [r, T, S]: the prefix
-            clean = (torch.arange(T, device=dev) == 0).expand(rows.numel(), T)  # slot 0: the known bonus
-            h = self.drafter(self.target, inputs[:, :T], pos, torch.zeros_like(pos), self.cache, ctx, rows=rows,
-                             clean=clean)
-        return self.target.logits(h[:, self.drafter.draft_slots(Bv, bonus_known=True)])
+    # ---------------------------------------------------------------- verification
 
     def _verify(self, n: int, plan: Plan) -> dict[int, list[int]]:
         """Target forward over [bonus, d_1..d_Bv] of rows 0..n-1 (+ branches in parallel mode), acceptance,
@@ -505,12 +349,13 @@ class Engine:
             depth, parent, rank = draft_tree(self.state.cand_logp[:n, :Bv], self.band(n).tree_nodes)  # [n, N]
             nodes = tree_tokens(self.state.cand[:n, :Bv], depth, rank)
             return self._verify_tree(n, Bv, depth, parent, nodes, ["tree"] * n)
-        if mode == "lookup" and any(len(chains) > 1 for chains, _ in self._proposals):  # verified as a token trie
-            chains = [[c[:Bv] for c in cs] for cs, _ in self._proposals]
+        proposals = self.lookups.proposals
+        if mode == "lookup" and any(len(chains) > 1 for chains, _ in proposals):  # verified as a token trie
+            chains = [[c[:Bv] for c in cs] for cs, _ in proposals]
             depth, parent, nodes = chain_trie(chains, self.state.bonus[:n].tolist(), self.target.device)
-            return self._verify_tree(n, Bv, depth, parent, nodes, [k for _, k in self._proposals])
+            return self._verify_tree(n, Bv, depth, parent, nodes, [k for _, k in proposals])
         if mode == "lookup":
-            self._set_lookup_drafts(n, Bv)
+            self.lookups.write(self.state, self.slots, n, Bv)
         dev, T = self.target.device, Bv + 1
         rows = torch.arange(n, device=dev)
         tokens = torch.cat((self.state.bonus[:n, None], self.state.drafts[:n, :Bv]), dim=1)  # [n, T]
@@ -519,21 +364,24 @@ class Engine:
         view = self.cache.rows(0, n)
         if mode == "parallel":
             anchors = self._branches(n, Bv, plan.branches)  # [n, m]
-            logits, hb = self._timed("parallel", lambda: self._parallel_logits(tokens, pos, view, anchors),
+            logits, hb = self.timed("parallel", lambda: self.parallel_logits(tokens, pos, view, anchors),
                                      n, T * (1 + anchors.shape[1]))
         else:
-            logits = self._timed("target", lambda: self._target_logits(tokens, pos, view), n, T)
+            logits = self.timed("target", lambda: self.target_logits(tokens, pos, view), n, T)
             hb = None
         accepted, new_bonus = self._accept(logits, tokens[:, 1:], rows)  # [n], [n]
         if mode == "ar":
             kinds = None
         elif mode == "lookup":  # counted by n-gram size; rows without a match verified filler: not counted
-            kinds = [kind for _, kind in self._proposals]
+            kinds = [kind for _, kind in proposals]
         else:
             kinds = ["parallel" if b else "sequential" for b in self.state.from_branch[:n].tolist()]
         out = self._commit(n, lens, accepted, new_bonus, self.state.drafts[:n, :Bv], kinds, Bv)
         if hb is not None:
-            self._take_branches(hb, anchors, accepted, new_bonus, Bv)
+            misses = self.proposer.take_branches(hb, anchors, accepted, new_bonus, self.slots, self.config.calibrate,
+                                                 self._parallel_may_follow(n))
+            self.last_stats.pruned_misses = misses
+            self.pruned_misses += misses
         return out
 
     def _commit(self, n, lens, accepted, new_bonus, drafts, kinds, Bv) -> dict[int, list[int]]:
@@ -541,7 +389,6 @@ class Engine:
         drafts (the first accepted[r] of drafts [n, >= max accepted], which must sit in the cache's next slots),
         the new bonus waits for the next step, and the row emits drafts + bonus. kinds: per row, which
         acceptance statistics the step counts towards (None: an AR step). -> {id: emitted tokens}"""
-        self.totals["target_forwards"] += 1
         self.cache.lens[:n] = lens + accepted + 1
         self.state.bonus[:n] = new_bonus
         self.state.ndrafts[:n] = 0
@@ -575,11 +422,9 @@ class Engine:
         pos = lens[:, None] + torch.cat((depth.new_zeros(n, 1), depth), dim=1)
         slots = lens[:, None] + torch.arange(N + 1, device=dev)
         span = int(lens.max()) + N + 1
-        rel = torch.arange(span, device=dev) - lens[:, None, None]  # [n, 1, span]: slot - lens
-        tree_part = anc.gather(2, rel.clamp(0, N).expand(n, N + 1, span)) & (rel >= 0) & (rel <= N)
-        mask = (rel < 0) | tree_part  # [n, N + 1, span]: the row's prefix and the node's own path
+        mask = tree_mask(anc, lens, span)  # [n, N + 1, span]
         view = self.cache.rows(0, n)
-        logits = self._timed("target", lambda: self.target.logits(
+        logits = self.timed("target", lambda: self.target.logits(
             self.target(tokens, pos, view, mask=mask, span=span, slots=slots)), n, N + 1)
         top = argmax_tokens(logits)  # [n, N + 1]
         accepted, node = tree_walk(nodes == top.gather(1, parent), anc, depth)
@@ -590,22 +435,18 @@ class Engine:
                 p = filtered_logits(logits[r], params).softmax(-1)  # [N + 1, V]
                 node[r], new_bonus[r] = tree_sample(p, tokens[r], parent[r], self.slots[r].generator)
                 accepted[r] = 0 if node[r] == 0 else depth[r, node[r] - 1]
-        # the accepted path's nodes in depth order (nodes are sorted by depth), then their cache slots moved
-        path = anc[torch.arange(n, device=dev), node, 1:]  # [n, N]
-        index = torch.arange(1, N + 1, device=dev)
-        src = torch.where(path, index, N + 1).sort(-1).values[:, :Bv]  # [n, Bv]: the first accepted[r] count
+        src = path_slots(anc, node, accepted, Bv)  # [n, Bv]: the accepted nodes' slots, lens + 1.. after them
         dst = torch.arange(1, Bv + 1, device=dev).expand(n, Bv)
-        src = torch.where(dst <= accepted[:, None], src, dst)
         rows = torch.arange(n, device=dev)[:, None]
-        for kv in (*view.k, *view.v):  # [n, Hkv, S, D]
+        for kv in (*view.k, *view.v):  # [n, Hkv, S, D]: the path's keys/values where a chain's would be
             kv[rows, :, lens[:, None] + dst] = kv[rows, :, lens[:, None] + src]
         return self._commit(n, lens, accepted, new_bonus, tokens.gather(1, src.clamp(max=N)), kinds, Bv)
 
-    def _target_logits(self, tokens, pos, cache) -> torch.Tensor:
+    def target_logits(self, tokens, pos, cache) -> torch.Tensor:
         """[n, T] tokens -> [n, T, V] logits (the LM head is timed with the forward: at batch 1 it is ~15%)."""
         return self.target.logits(self.target(tokens, pos, cache))
 
-    def _parallel_logits(self, tokens, pos, cache, anchors):
+    def parallel_logits(self, tokens, pos, cache, anchors):
         """-> clean logits [n, T, V], branch hidden states [n, m, T, d]."""
         h, hb = parallel_forward(self.target, self.drafter, tokens, pos, cache, anchors)
         return self.target.logits(h), hb
@@ -629,24 +470,6 @@ class Engine:
         anchors = branch_anchors(self.state.conf[:n, :Bv], band.rho, band.top_m, cap)
         self.last_stats.branches = float(anchors.shape[1])
         return anchors
-
-    def _take_branches(self, hb, anchors, accepted, new_bonus, Bv) -> None:
-        """hb [n, m, Bv+1, d]: the branch whose anchor equals the accepted length becomes the row's drafts
-        (calibrated with the bonus); rows whose branch was pruned draft sequentially next step."""
-        n = anchors.shape[0]
-        hit = anchors == accepted[:, None]  # [n, m]
-        rows = hit.any(-1).nonzero().squeeze(-1)
-        misses = n - rows.numel()
-        self.last_stats.pruned_misses = misses
-        self.totals["pruned_misses"] += misses
-        self.totals["parallel_rows"] += n
-        if not rows.numel():
-            return
-        branch = hit[rows].float().argmax(-1)
-        h = hb[rows, branch, 1:]  # [r, Bv, d]
-        if self.config.calibrate:
-            h = self.drafter.calibrate(self.target, h, new_bonus[rows, None].expand(-1, Bv))
-        self._set_drafts(rows, self.target.logits(h), from_branch=True)
 
     def _retire(self) -> None:
         """Remove finished rows; the last row moves into each freed row (a copy of its cached prefix)."""

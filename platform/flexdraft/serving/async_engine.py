@@ -16,19 +16,9 @@ import torch
 
 from flexdraft.core import logs
 from flexdraft.core.errors import FlexDraftError
-from flexdraft.engine.config import StepStats
+from flexdraft.engine.stats import SpecDecodingStats, StepStats
 from flexdraft.engine.engine import Engine
 from flexdraft.speculative.sampling import Generation, SamplingParams
-
-
-def spec_counts(stats: StepStats) -> dict:
-    """One step's speculative-decoding counts, as vLLM counts them: drafts (rows verified), draft tokens, accepted
-    tokens and, per draft position j (0-based), how many rows accepted draft j. AR steps count nothing."""
-    if stats.mode in ("ar", "idle", "profile") or not stats.accepted:
-        return {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_position": []}
-    acc = stats.accepted
-    return {"drafts": len(acc), "draft_tokens": len(acc) * stats.block, "accepted": sum(acc),
-            "per_position": [sum(a > j for a in acc) for j in range(max(acc))]}
 
 
 class EngineFailed(RuntimeError):
@@ -89,8 +79,8 @@ class AsyncEngine:
         self.failed_steps = 0  # steps that raised (each recovered)
         self.charged = 0  # requests ended with an error by a failed step
         self.most_rows = 0  # the largest batch a step has decoded
-        # running totals since start (the MLflow reporter logs their rates): tokens, rows, drafts, ..., steps_<mode>
-        self.totals: dict[str, float] = {}
+        self._stats = SpecDecodingStats()  # since start, over engines replaced by reconfigures (`stats()`)
+        self._stats_lock = threading.Lock()
         self._strikes: dict[int, int] = {}  # request id -> failed steps it was in
         self._suspects: list[int] = []  # failed step's requests not yet re-admitted, in queue order
         self._probation: list = []  # [request id, steps left] of the request decoding alone after a failure
@@ -133,7 +123,7 @@ class AsyncEngine:
         """Rows decoding, requests waiting, open streams and failure counts (read without locking: a snapshot
         for metrics and health)."""
         return {"alive": self.alive, "running": self.engine.active, "waiting": len(self.engine.waiting),
-                "streams": len(self._streams), "steps": self.totals.get("steps", 0), "most_rows": self.most_rows,
+                "streams": len(self._streams), "steps": self._stats.num_steps, "most_rows": self.most_rows,
                 "aborted": self.aborted, "failed_steps": self.failed_steps, "failed_requests": self.charged}
 
     def call(self, fn: Callable[[Engine], object], timeout: float | None = 60.0) -> object:
@@ -316,11 +306,13 @@ class AsyncEngine:
 
     def _count(self, stats: StepStats, out: dict[int, list[int]]) -> None:
         self.most_rows = max(self.most_rows, stats.rows)
-        counts = spec_counts(stats)
-        for key, value in (("steps", 1), (f"steps_{stats.mode}", 1), ("rows", stats.rows),
-                           ("tokens", sum(map(len, out.values()))), ("drafts", counts["drafts"]),
-                           ("draft_tokens", counts["draft_tokens"]), ("accepted", counts["accepted"])):
-            self.totals[key] = self.totals.get(key, 0) + value
+        with self._stats_lock:
+            self._stats.observe(stats)
+
+    def stats(self) -> SpecDecodingStats:
+        """A snapshot of the step counts since start (the MLflow reporter logs their rates)."""
+        with self._stats_lock:
+            return self._stats.copy()
 
     def _drain(self) -> None:
         """Carry out the commands sent since the last step (adds, aborts, calls); none of them can end the loop."""

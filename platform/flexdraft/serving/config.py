@@ -10,11 +10,8 @@ from flexdraft.core import logs
 from flexdraft.core.config import RuntimeConfig, from_dict
 from flexdraft.core.errors import FlexDraftError
 from flexdraft.engine.config import EngineConfig
-from flexdraft.engine.engine import Engine
+from flexdraft.engine.engine import LIVE_KNOBS, Engine  # (any change beyond LIVE_KNOBS needs a new engine)
 from flexdraft.speculative.policy_file import POLICY_KEYS
-
-# EngineConfig fields a live engine takes between two steps (policy knobs); any other change needs a new engine
-LIVE_KNOBS = ("switch_batch", "top_m", "rho", "calibrate", "cost_model")
 
 
 @dataclass
@@ -94,11 +91,4 @@ def apply_live(engine: Engine, cfg: ServeConfig) -> dict:
     """Set the live knobs of `cfg.engine` on a running engine (on its thread: `AsyncEngine.call`) -> the changes."""
     new = cfg.engine_config()
     knobs = [k for k in LIVE_KNOBS if engine.policy is None or k not in POLICY_KEYS]  # (a policy's are its own)
-    changed = {k: getattr(new, k) for k in knobs if getattr(new, k) != getattr(engine.config, k)}
-    trial = dataclasses.replace(engine.config, **changed)  # checked whole before any of it is applied
-    trial.check(engine.drafter, engine.target.args.max_position_embeddings)
-    for k, v in changed.items():
-        setattr(engine.config, k, v)
-    engine.planner.switch_batch, engine.planner.cost_model = engine.config.switch_batch, engine.config.cost_model
-    engine.planner.forget_plans()
-    return changed
+    return engine.reconfigure(**{k: getattr(new, k) for k in knobs})

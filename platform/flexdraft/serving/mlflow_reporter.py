@@ -26,30 +26,29 @@ class MlflowReporter:
         for key, value in list(flatten(params).items())[:100]:
             self.client.log_param(self.run_id, key, str(value)[:500])
         self.t0 = time.time()
-        self._last = (self.t0, dict(engine.totals))
+        self._last = (self.t0, engine.stats())
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="flexdraft-mlflow", daemon=True)
         self._thread.start()
 
     def report(self) -> dict:
         """Log one point now -> the metrics logged."""
-        now, totals = time.time(), dict(self.engine.totals)
+        now, totals = time.time(), self.engine.stats()
         t_prev, prev = self._last
         self._last = (now, totals)
-        d = {k: totals.get(k, 0) - prev.get(k, 0) for k in totals}
-        dt, steps = max(now - t_prev, 1e-9), d.get("steps", 0)
+        d = totals.delta(prev)
+        dt, steps = max(now - t_prev, 1e-9), d.num_steps
         load = self.engine.load()
-        metrics = {"serve/tokens_per_s": d.get("tokens", 0) / dt, "serve/steps_per_s": steps / dt,
+        metrics = {"serve/tokens_per_s": d.num_tokens / dt, "serve/steps_per_s": steps / dt,
                    **{f"serve/{k}": load[k] for k in ("running", "waiting", "streams")},
                    "serve/aborted_total": load["aborted"], "serve/failed_steps_total": load["failed_steps"]}
         if steps:
-            metrics["serve/mean_batch"] = d.get("rows", 0) / steps
-            for key, value in d.items():
-                if key.startswith("steps_"):
-                    metrics[f"serve/mode_share/{key.removeprefix('steps_')}"] = value / steps
-        if d.get("drafts"):
-            metrics["spec_decode/mean_accepted_length"] = 1 + d["accepted"] / d["drafts"]
-            metrics["spec_decode/draft_acceptance_rate"] = d["accepted"] / max(d["draft_tokens"], 1)
+            metrics["serve/mean_batch"] = d.num_rows / steps
+            for mode, n in d.steps_by_mode.items():
+                metrics[f"serve/mode_share/{mode.value}"] = n / steps
+        if d.num_drafts:
+            metrics["spec_decode/mean_accepted_length"] = d.mean_accepted_length
+            metrics["spec_decode/draft_acceptance_rate"] = d.draft_acceptance_rate
         from mlflow.entities import Metric
 
         ts, step = int(now * 1000), int(now - self.t0)

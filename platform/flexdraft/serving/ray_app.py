@@ -28,7 +28,8 @@ from flexdraft.core.errors import FlexDraftError
 from flexdraft.serving.openai_api import (APIError, TextStream, chunk, finish_reason, fit_to_engine, parse_request, response,
                                   speculation, usage, validation_error)
 from flexdraft.serving.protocol import ChatCompletionRequest, CompletionRequest
-from flexdraft.serving.async_engine import AsyncEngine, EngineFailed, EngineUnavailable, spec_counts
+from flexdraft.engine.stats import SpecDecodingStats
+from flexdraft.serving.async_engine import AsyncEngine, EngineFailed, EngineUnavailable
 from flexdraft.serving.mlflow_reporter import MlflowReporter
 from flexdraft.serving.config import ServeConfig, apply_live, build, check_exposure
 
@@ -154,13 +155,13 @@ class Metrics:
         self.waiting.set(len(engine.waiting))
         if self.source is not None:
             self.streams.set(self.source.load()["streams"])
-        counts = spec_counts(stats)
-        if counts["drafts"]:  # (a Ray counter refuses inc(0): a step whose drafts were all rejected accepts 0)
-            self.drafts.inc(counts["drafts"])
-            self.draft_tokens.inc(counts["draft_tokens"])
-            if counts["accepted"]:
-                self.accepted.inc(counts["accepted"])
-            for pos, n in enumerate(counts["per_position"]):
+        counts = SpecDecodingStats.of_step(stats)
+        if counts.num_drafts:  # (a Ray counter refuses inc(0): a step whose drafts were all rejected accepts 0)
+            self.drafts.inc(counts.num_drafts)
+            self.draft_tokens.inc(counts.num_draft_tokens)
+            if counts.num_accepted_tokens:
+                self.accepted.inc(counts.num_accepted_tokens)
+            for pos, n in enumerate(counts.num_accepted_tokens_per_pos):
                 self.per_pos.inc(n, tags={"position": str(pos)})
 
     def request_done(self, t0: float, t_first: float | None, tokens: int) -> None:

@@ -109,3 +109,26 @@ def tree_walk(match: torch.Tensor, anc: torch.Tensor, depth: torch.Tensor) -> tu
     match = torch.cat((torch.ones_like(match[:, :1]), match), dim=1)  # the bonus is given
     on_path = ~(anc & ~match[:, None, :]).any(-1)  # [n, N + 1]: every node from the root to i matches
     return torch.where(on_path, torch.cat((depth.new_zeros(depth.shape[0], 1), depth), dim=1), -1).max(-1)
+
+
+def tree_mask(anc: torch.Tensor, lens: torch.Tensor, span: int) -> torch.Tensor:
+    """anc [n, N + 1, N + 1] (node 0: the bonus), lens [n] -> the attention mask [n, N + 1, span] of a tree whose
+    node i sits in cache slot lens + i: each node sees the row's prefix and its own path."""
+    n, N1 = anc.shape[0], anc.shape[1]
+    rel = torch.arange(span, device=anc.device) - lens[:, None, None]  # [n, 1, span]: slot - lens
+    tree_part = anc.gather(2, rel.clamp(0, N1 - 1).expand(n, N1, span)) & (rel >= 0) & (rel < N1)
+    return (rel < 0) | tree_part
+
+
+def path_slots(anc: torch.Tensor, node: torch.Tensor, accepted: torch.Tensor, Bv: int) -> torch.Tensor:
+    """The accepted path ending at node [n] (accepted [n] nodes deep): -> [n, Bv] tree slots (1..N) of its
+    nodes in depth order (nodes are sorted by depth), then j for depths j past the path: where the nodes' keys and
+    values are to be read from to sit at slots 1..Bv, as a chain's would."""
+    n, N = anc.shape[0], anc.shape[1] - 1
+    path = anc[torch.arange(n, device=anc.device), node, 1:]  # [n, N]
+    index = torch.arange(1, N + 1, device=anc.device)
+    src = torch.where(path, index, N + 1).sort(-1).values[:, :Bv]  # [n, Bv]
+    if src.shape[1] < Bv:  # (a tree of fewer nodes than Bv)
+        src = torch.cat((src, src.new_full((n, Bv - src.shape[1]), N + 1)), dim=1)
+    dst = torch.arange(1, Bv + 1, device=anc.device).expand(n, Bv)
+    return torch.where(dst <= accepted[:, None], src, dst)

@@ -1,0 +1,53 @@
+"""What the engine holds per request (`Request`) and per cache row beside the cached tokens (`RowState`)."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+from flexdraft.speculative.lookup import NgramIndex
+from flexdraft.speculative.sampling import SamplingParams
+
+
+@dataclass
+class Request:
+    id: int
+    prompt: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    tokens: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)  # accepted drafts per speculative step
+    forwards: int = 0  # target forwards after the prefill (AR or verify steps)
+    modes: dict = field(default_factory=dict)  # those forwards by step mode
+    finish_reason: str | None = None
+    index: NgramIndex | None = None  # its prompt and tokens, for lookup drafts
+
+
+@dataclass
+class RowState:
+    """What each cache row holds beside its cached tokens (row r of every tensor = cache row r); `move` covers
+    every field, so a new one cannot be forgotten when a finished row is filled."""
+    bonus: torch.Tensor  # [R] the last emitted token, not yet in the cache (it sits at position lens)
+    drafts: torch.Tensor  # [R, B] d_1.. for positions lens+1..
+    conf: torch.Tensor  # [R, B] fp32 q_j(d_j)
+    ndrafts: torch.Tensor  # [R] valid drafts per row (0: draft first)
+    from_branch: torch.Tensor  # [R] bool: a parallel branch made the drafts
+    cand: torch.Tensor  # [R, B, K] each draft slot's top-K candidates (token trees)
+    cand_logp: torch.Tensor  # [R, B, K] fp32, their log-probabilities
+    q: torch.Tensor | None = None  # [R, B, V] fp32 draft distributions, allocated for the first sampled request
+
+    @staticmethod
+    def empty(rows: int, block: int, tree_width: int, device) -> "RowState":
+        zeros = lambda *shape, dtype=torch.long: torch.zeros(*shape, dtype=dtype, device=device)
+        return RowState(bonus=zeros(rows), drafts=zeros(rows, block), conf=zeros(rows, block, dtype=torch.float32),
+                        ndrafts=zeros(rows), from_branch=zeros(rows, dtype=torch.bool),
+                        cand=zeros(rows, block, tree_width),
+                        cand_logp=zeros(rows, block, tree_width, dtype=torch.float32))
+
+    def move(self, src: int, dst: int) -> None:
+        """Row src's state into row dst."""
+        for f in dataclasses.fields(self):
+            t = getattr(self, f.name)
+            if t is not None:
+                t[dst] = t[src]

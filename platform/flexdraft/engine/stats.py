@@ -1,0 +1,98 @@
+"""What crosses the engine's boundary about its steps: one step's `StepStats`, and `SpecDecodingStats`, the
+running counts a server or benchmark keeps (in the shape of vLLM's `SpecDecodingStats`: drafts, draft tokens,
+accepted tokens, accepted tokens per draft position; plus steps by mode)."""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+from flexdraft.engine.config import Mode
+
+IDLE, PROFILE = "idle", "profile"  # the step kinds that are not a decoding mode (nothing decoded; a profile run)
+
+
+@dataclass
+class StepStats:
+    mode: str  # a Mode's value (ar | sequential | tree | parallel | lookup), or IDLE / PROFILE
+    rows: int  # rows decoded this step (after admission)
+    admitted: int = 0
+    admitted_ids: list[int] = field(default_factory=list)  # the requests prefilled this step
+    block: int = 0  # drafts verified per row
+    drafted_rows: int = 0  # rows that needed a sequential drafter pass
+    branches: float = 0.0  # parallel: branches kept per row (mean)
+    pruned_misses: int = 0  # parallel: rows whose real accepted length fell on a pruned branch
+    accepted: list[int] = field(default_factory=list)  # accepted drafts per verified row
+    tokens: int = 0  # tokens emitted (admissions' first tokens included)
+    seconds: float = 0.0
+    forward_seconds: dict = field(default_factory=dict)  # prefill / draft / target / parallel
+
+    @property
+    def speculative(self) -> bool:
+        """Whether the step verified drafts (an AR, idle or profile step did not)."""
+        return self.mode not in (Mode.AR, IDLE, PROFILE) and bool(self.accepted)
+
+
+@dataclass
+class SpecDecodingStats:
+    """Counts over steps, as vLLM counts them: a draft is one row verified by a speculative step (its
+    `num_draft_tokens` are the block verified), `num_accepted_tokens_per_pos[j]` the rows that accepted draft j.
+    AR steps count towards steps and tokens only. `delta(earlier)` gives the counts between two snapshots."""
+    num_steps: int = 0
+    num_rows: int = 0  # rows decoded, summed over steps (/ num_steps: the mean batch)
+    num_tokens: int = 0
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    steps_by_mode: dict[Mode, int] = field(default_factory=dict)
+
+    @staticmethod
+    def of_step(step: StepStats) -> "SpecDecodingStats":
+        s = SpecDecodingStats(num_steps=1, num_rows=step.rows, num_tokens=step.tokens)
+        if step.mode not in (IDLE, PROFILE):
+            s.steps_by_mode = {Mode(step.mode): 1}
+        if step.speculative:
+            acc = step.accepted
+            s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens = len(acc), len(acc) * step.block, sum(acc)
+            s.num_accepted_tokens_per_pos = [sum(a > j for a in acc) for j in range(max(acc))]
+        return s
+
+    def observe(self, step: StepStats) -> None:
+        self.add(SpecDecodingStats.of_step(step))
+
+    def add(self, other: "SpecDecodingStats") -> None:
+        for name in ("num_steps", "num_rows", "num_tokens", "num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        pos = self.num_accepted_tokens_per_pos
+        pos.extend([0] * (len(other.num_accepted_tokens_per_pos) - len(pos)))
+        for j, n in enumerate(other.num_accepted_tokens_per_pos):
+            pos[j] += n
+        for mode, n in other.steps_by_mode.items():
+            self.steps_by_mode[mode] = self.steps_by_mode.get(mode, 0) + n
+
+    def delta(self, earlier: "SpecDecodingStats") -> "SpecDecodingStats":
+        d = copy.deepcopy(self)
+        for name in ("num_steps", "num_rows", "num_tokens", "num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+            setattr(d, name, getattr(self, name) - getattr(earlier, name))
+        for j, n in enumerate(earlier.num_accepted_tokens_per_pos):
+            d.num_accepted_tokens_per_pos[j] -= n
+        for mode, n in earlier.steps_by_mode.items():
+            d.steps_by_mode[mode] -= n
+        return d
+
+    def copy(self) -> "SpecDecodingStats":
+        return copy.deepcopy(self)
+
+    @property
+    def num_target_forwards(self) -> int:
+        """Steps that decoded rows: one target forward each (AR or verify)."""
+        return sum(self.steps_by_mode.values())
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """Tokens per verified row of the speculative steps (accepted drafts + the bonus), vLLM's definition."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
+
+    @property
+    def draft_acceptance_rate(self) -> float | None:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
