@@ -18,9 +18,9 @@ from flexdraft.drafter.recipe import PipelineConfig
 def fail_once_after(step: int, marker: Path):
     """`jobs.train_func` whose workers raise once, right after reporting `step` (its checkpoint, when it makes one,
     is then saved): the failure is injected from here, through Ray Train's own `report`, not by the job's code."""
-    from flexdraft.training import jobs
+    from flexdraft.training import worker
 
-    train_func = jobs.train_func
+    train_func = worker.train_func
 
     def failing_train_func(config: dict) -> None:
         import ray.train
@@ -59,19 +59,14 @@ def resumed_attention(ray_head, tiny_pipeline, tmp_path_factory, mlflow_db):
     with pytest.MonkeyPatch.context() as mp:  # never the user's store; artifacts land relative to the cwd
         mp.setenv("MLFLOW_TRACKING_URI", uri)
         mp.chdir(home)
-        mp.setattr("flexdraft.training.jobs.train_func", fail_once_after(3, home / "attention.failed-once"))
+        mp.setattr("flexdraft.training.trainer.train_func", fail_once_after(3, home / "attention.failed-once"))
         meta = run_training(cfg, "attention")
     return meta, uri, home
 
 
-def test_attention_then_calibration_with_failures_resume_exactly(resumed_attention, tiny_pipeline, monkeypatch,
-                                                                  tmp_path):
+def test_attention_tuning_killed_after_a_checkpoint_resumes_exactly(resumed_attention, tiny_pipeline):
     """Attention tuning killed right after its step-3 checkpoint resumes from it and logs each step once, with
-    before/after agreement; calibration (a 6 s budget: its step count is fixed at step 10), killed right after its step-12
-    checkpoint, restarts from it with the count it fixed (never fixed again), ends there with the learning rate at
-    its floor (10% of lr), having logged every 4th step once (nothing repeated, nothing lost)."""
-    from flexdraft.training.jobs import run_stage, run_training
-
+    before/after agreement."""
     cfg, _, _ = tiny_pipeline
     meta, uri, home = resumed_attention
     assert (home / "attention.failed-once").is_file()  # the failure did happen
@@ -80,9 +75,22 @@ def test_attention_then_calibration_with_failures_resume_exactly(resumed_attenti
     assert mlflow_history(uri, run_id, "train/loss") == [3, 6]
     assert mlflow_history(uri, run_id, "eval/bonus/tau") == [0, 6]  # before and after tuning
 
+
+@pytest.mark.slow
+def test_budgeted_calibration_killed_after_a_checkpoint_restarts_with_the_count_it_fixed(resumed_attention,
+                                                                                         tiny_pipeline, monkeypatch,
+                                                                                         tmp_path):
+    """Calibration (a 6 s budget: its step count is fixed at step 10), killed right after its step-12 checkpoint,
+    restarts from it with the count it fixed (never fixed again), ends there with the learning rate at its floor
+    (10% of lr), having logged every 4th step once (nothing repeated, nothing lost). (It needs more than 12 steps to
+    fit in 6 s; the count is asserted, so a machine too slow for that fails loudly instead of passing vacuously.)"""
+    from flexdraft.training.jobs import run_stage, run_training
+
+    cfg, _, _ = tiny_pipeline
+    meta, uri, home = resumed_attention
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr("flexdraft.training.jobs.train_func", fail_once_after(12, tmp_path / "calibration.failed-once"))
+    monkeypatch.setattr("flexdraft.training.trainer.train_func", fail_once_after(12, tmp_path / "calibration.failed-once"))
     meta = run_training(cfg, "calibration")
     assert (tmp_path / "calibration.failed-once").is_file()
     run_id = (cfg.root / f"calibration-{meta['run_key']}.mlflow-run").read_text()
@@ -131,6 +139,7 @@ def test_ray_job_submit_trains_exactly_the_drafter_of_the_resumed_run(ray_head, 
     assert not torch.equal(ours["attn.1.q_proj.weight"], fresh["attn.1.q_proj.weight"])  # it did train
 
 
+@pytest.mark.slow
 def test_budgeted_attention_in_a_pipeline_trains_until_the_rest_is_left(ray_head, tiny_pipeline, tmp_path,
                                                                          monkeypatch, mlflow_db):
     """Inside a pipeline of 10 minutes, an attention stage whose own budget (0.03 s) fits no more than its 10 probe
@@ -210,7 +219,7 @@ def test_bad_input_fails_before_any_work(tiny_pipeline, tmp_path, change, msg):
 
 def test_calibration_refuses_a_drafter_for_other_weights(tiny_pipeline, tmp_path):
     from flexdraft.drafter.model import Drafter, DrafterConfig, save_drafter
-    from flexdraft.training.jobs import preflight
+    from flexdraft.training.trainer import preflight
     from flexdraft.models.loading import load_model
 
     _, raw, _ = tiny_pipeline
