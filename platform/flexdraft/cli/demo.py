@@ -22,15 +22,15 @@ from pathlib import Path
 
 import yaml
 
-from flexdraft.core.config import data_dir, load_yaml
+from flexdraft.core.config import data_dir, load_yaml, read_yaml
 from flexdraft.core.errors import FlexDraftError
-from flexdraft.evaluation.harness import HarnessConfig, run_harness, summary_table
+from flexdraft.evaluation.harness import HarnessConfig, run_harness
+from flexdraft.evaluation.report import summary_table
 from flexdraft.drafter.recipe import PipelineConfig, load_pipeline_config
 from flexdraft.core.tracking import tracking_uri
 
-REPO = Path(__file__).resolve().parents[3]
-DEMO_PIPELINE = REPO / "configs" / "demo.yaml"
-DEMO_BENCH = REPO / "configs" / "bench" / "demo.yaml"
+DEMO_PIPELINE = "configs/demo.yaml"  # (the packaged copies from anywhere: `config.config_path`)
+DEMO_BENCH = "configs/bench/demo.yaml"
 SERVE_PORT = 8000
 API_KEY = os.environ.get("FLEXDRAFT_API_KEY", "none")  # the apps ask for it when it is set (they inherit it)
 
@@ -53,7 +53,7 @@ def _train(cfg: PipelineConfig) -> tuple[PipelineConfig, dict]:
     if cfg.name != full.name and (full.drafter_dir("calibration") / "drafter.json").is_file():
         say(f"using the full-quality drafter of `flexdraft pipeline` at {full.drafter_dir('calibration')}")
         return full, read_drafter_meta(full.drafter_dir("calibration"))
-    say(f"demo budget: {cfg.time_budget_min:g} min of distill + training ({DEMO_PIPELINE.name}); the full-quality "
+    say(f"demo budget: {cfg.time_budget_min:g} min of distill + training ({DEMO_PIPELINE}); the full-quality "
         f"pipeline (~30 min) is `flexdraft pipeline --config configs/smollm2.yaml`, and later tours use its drafter")
     deadline = pipeline_deadline(cfg)
     try:
@@ -67,13 +67,12 @@ def _train(cfg: PipelineConfig) -> tuple[PipelineConfig, dict]:
 def _serve_config(cfg: PipelineConfig) -> Path:
     """serve/config.yaml's app twice, one replica of 1 CPU each: `flexdraft` (adaptive) at / and `flexdraft-ar` (the
     same engine in mode ar) at /ar, the loadtest's baseline."""
-    base = yaml.safe_load((REPO / "serve" / "config.yaml").read_text())
+    base = read_yaml("serve/config.yaml", "Serve config")
     base["http_options"].update(host="127.0.0.1", port=SERVE_PORT)
     apps = []
     for name, route, mode in (("flexdraft", "/", "adaptive"), ("flexdraft-ar", "/ar", "ar")):
         app = yaml.safe_load(yaml.safe_dump(base["applications"][0]))
         app.update(name=name, route_prefix=route)
-        app["runtime_env"]["working_dir"] = f"local://{REPO}"
         app["runtime_env"]["env_vars"].update(FLEXDRAFT_HOME=str(data_dir()), MLFLOW_TRACKING_URI=tracking_uri())
         d = app["deployments"][0]
         d["ray_actor_options"] = {"num_cpus": 1}

@@ -9,7 +9,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from flexdraft.evaluation.harness import save_figure
+from flexdraft.evaluation.report import save_figure
 from flexdraft.tuning.sweep import DECODE_PARAMS, TRAINING_PARAMS, SweepConfig, decode_params, export_policy, trial_policy
 
 
