@@ -1,7 +1,8 @@
-"""The deploy entry of the FlexDraft Ray Serve app (serve/config.yaml's `import_path: serve.app:build_app`):
-the deployment itself is `flexdraft.serving.ray_app`, importable from an installed package too.
+"""The deploy entry of the FlexDraft Ray Serve app in a checkout (`serve run serve.app:build_app`; the KubeRay
+RayService imports it from the image's /app): the deployment itself is `flexdraft.serving.ray_app`, which
+serve/config.yaml imports directly.
 
-    serve run serve/config.yaml            # or: serve run serve.app:build_app, or: flexdraft serve
+    serve run serve.app:build_app          # or: serve run serve/config.yaml, or: flexdraft serve
 """
 from flexdraft.serving.ray_app import FlexDraftServer, app, build_app  # noqa: F401 - what Serve imports
 

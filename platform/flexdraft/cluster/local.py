@@ -30,8 +30,7 @@ from pathlib import Path
 from flexdraft.core.config import data_dir, from_dict, read_yaml
 from flexdraft.core.errors import FlexDraftError
 
-REPO = Path(__file__).resolve().parents[3]
-DEFAULT_CONFIG = REPO / "infra" / "local" / "cluster.yaml"
+DEFAULT_CONFIG = "infra/local/cluster.yaml"  # (the packaged copy from anywhere: `config.config_path`)
 BIN = Path(sys.executable).parent  # ray, mlflow and python of this environment
 
 

@@ -123,9 +123,31 @@ def from_dict(cls, data: dict | None, where: str = ""):
     return cls(**kwargs)
 
 
-def read_yaml(path: str | Path, what: str = "config file"):
-    """The parsed YAML of `path`; a missing file or bad YAML is a FlexDraftError naming `what` and the path."""
+# The configs the commands need ship inside the package; the repository's configs/, tuning/configs/,
+# serve/config.yaml and infra/local/cluster.yaml are links to them.
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+_REPO_PATHS = (("configs/", ""), ("tuning/configs/", "sweeps/"), ("serve/config.yaml", "serve/config.yaml"),
+               ("infra/local/cluster.yaml", "cluster/local.yaml"))
+
+
+def config_path(path: str | Path) -> Path:
+    """A config file as named on the command line: the file itself when it exists, else, for a repository path
+    (`configs/demo.yaml`, `tuning/configs/decode.yaml`, `serve/config.yaml`, ...), its packaged copy, so the
+    documented commands run from any directory and from a non-editable install."""
     path = Path(path).expanduser()
+    if path.exists() or path.is_absolute():
+        return path
+    name = path.as_posix().removeprefix("./")
+    for repo, packaged in _REPO_PATHS:
+        if name.startswith(repo) and (CONFIGS / (packaged + name[len(repo):])).is_file():
+            return CONFIGS / (packaged + name[len(repo):])
+    return path
+
+
+def read_yaml(path: str | Path, what: str = "config file"):
+    """The parsed YAML of `path` (`config_path`); a missing file or bad YAML is a FlexDraftError naming `what` and
+    the path."""
+    path = config_path(path)
     if not path.is_file():
         raise FlexDraftError(f"{what} not found: {path}")
     try:
