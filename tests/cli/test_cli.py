@@ -5,14 +5,16 @@ import pytest
 
 from conftest import write_jsonl
 from flexdraft.cli.main import main
+from flexdraft.core.data import chat_ids, text_ids
 from flexdraft.speculative.sampling import SamplingParams
 from flexdraft.engine.ar import generate
 
 
 @pytest.mark.real_model
 def test_generate_json_lines_in_input_order(tmp_path, capsys, real_folder, real_lm):
-    """Three prompt kinds in one file, batch size 2: one JSON line each, in order, with ids that equal the
-    library's greedy output for the same token ids."""
+    """Three prompt kinds in one file, batch size 2: one JSON line each, in order, each row's ids equal to the
+    library's greedy output for the prompt's own token ids (text tokenized, chat through the template, ids as
+    given), and its text their decoding."""
     f = write_jsonl(tmp_path / "p.jsonl", [
         {"prompt": "The capital of France is"},
         {"messages": [{"role": "user", "content": "What is 7 times 6?"}]},
@@ -23,11 +25,13 @@ def test_generate_json_lines_in_input_order(tmp_path, capsys, real_folder, real_
     out, err = capsys.readouterr()
     lines = [json.loads(line) for line in out.splitlines()]
     assert [r["index"] for r in lines] == [0, 1, 2]
-    for r in lines:
-        assert 0 < len(r["token_ids"]) <= 12 and r["seconds"] > 0 and isinstance(r["text"], str)
-    ref = generate(real_lm.model, [[1, 9690, 198, 504, 3458]], SamplingParams(max_new_tokens=12),
-                   real_lm.eos_token_ids)
-    assert lines[2]["token_ids"] == ref[0].token_ids
+    tok = real_lm.tokenizer
+    prompts = [text_ids(tok, "The capital of France is"),
+               chat_ids(tok, [{"role": "user", "content": "What is 7 times 6?"}]), [1, 9690, 198, 504, 3458]]
+    ref = generate(real_lm.model, prompts, SamplingParams(max_new_tokens=12), real_lm.eos_token_ids)
+    for r, g in zip(lines, ref):
+        assert r["token_ids"] == g.token_ids and r["seconds"] > 0
+        assert r["text"] == tok.decode(g.token_ids, skip_special_tokens=True)
     assert "tokens/s" in err
 
 

@@ -389,14 +389,16 @@ def _wait_replicas(app_name: str, running: int, timeout: float, timeline: list) 
 
 def test_past_max_queued_requests_clients_get_503_at_once(apps):
     """`elastic` holds 2 requests per replica and queues 2 at the router: of 16 concurrent long requests the
-    surplus is refused with 503 at once, the rest finish with 200, none hangs. (Serve counts a request as queued
-    only once the proxy routes it, so a few more than 2 x 2 + 2 may get through.)"""
+    surplus is refused with 503 at once (every refusal is back before the first accepted request has finished:
+    ordered by events, not timed), the rest finish with 200, none hangs. (Serve counts a request as queued only
+    once the proxy routes it, so a few more than 2 x 2 + 2 may get through.)"""
     with ThreadPoolExecutor(16) as pool:
         results = list(pool.map(lambda _: _complete("/elastic", 100, timeout=60), range(16)))
     print("overload (seconds, status):", sorted(results, key=lambda r: r[1]))
     refused = [s for s, status in results if status == 503]
     assert {status for _, status in results} == {200, 503}
-    assert len(refused) >= 16 // 2 and max(refused) < 2.0
+    served = [s for s, status in results if status == 200]
+    assert len(refused) >= 16 // 2 and max(refused) < min(served)
 
 
 def test_sustained_load_brings_a_second_replica_up_and_idle_takes_it_down(apps):

@@ -23,7 +23,7 @@ from flexdraft.speculative.sampling import SamplingParams
 from flexdraft.engine.ar import generate
 from flexdraft.models.loading import load_model
 from flexdraft.speculative.policy_file import Band, Policy, load_policy, save_policy
-from flexdraft.tuning.sweep import SweepConfig, prepare
+from flexdraft.tuning.sweep import Objective, SweepConfig, export_policy, prepare
 
 SWEEP = [sys.executable, str(REPO / "tuning" / "sweep.py")]
 
@@ -48,6 +48,32 @@ def test_a_policy_decides_each_step_by_live_rows_and_output_stays_ar(tmp_path):
     assert seen == {(True, "ar", 0, True), (False, "parallel", 2, True)}
     for rid, p, n in zip(ids, prompts, lengths):
         assert engine.result(rid).token_ids == generate(model, [p], SamplingParams(max_new_tokens=n))[0].token_ids
+
+
+def test_export_policy_takes_the_best_trial_of_each_band_ties_by_objective_and_skips_unfinished_trials():
+    """A hand-made trial table whose winners are known: batch 1 -> trial A (adaptive, S 4); batch 4 -> a tie
+    between B and C, which B wins by its better objective; batch 16 -> C. D, stopped early, was fastest at batch 1
+    but is not compared. Bands cover rows up to each batch size (the last any number), each with its winner's
+    settings at that size; S is the one under which every band plans as its winner did."""
+    def trial(tid, params, speedups, status="measured"):
+        return {"trial_id": tid, "params": params, "status": status,
+                "results": {b: {"speedup": v} for b, v in speedups.items()}}
+
+    trials = [trial("A", {"switch_batch": 4, "cost_model": True}, {1: 1.5, 4: 1.1, 16: 0.90}),
+              trial("B", {"switch_batch": 1, "cost_model": False, "top_m": 2}, {1: 1.2, 4: 1.3, 16: 1.00}),
+              trial("C", {"switch_batch": 0, "cost_model": False}, {1: 1.0, 4: 1.3, 16: 1.05}),
+              trial("D", {"tree_nodes": 16}, {1: 2.0}, status="stopped early")]
+    policy = export_policy(trials, Objective(batch_sizes=[1, 4, 16], weights=[1, 1, 1]), {}, {})
+    assert policy.bands == [Band(1, "adaptive", top_m=0), Band(4, "sequential", top_m=2),
+                            Band(None, "sequential", top_m=0)]
+    assert policy.switch_batch == 1
+    assert [policy.band(n).mode for n in (1, 3, 4, 5, 64)] == ["adaptive", "sequential", "sequential", "sequential",
+                                                                 "sequential"]
+    # the same winner at adjacent sizes: one band; and no trial measured everywhere: a clear error
+    merged = export_policy(trials[:1], Objective(batch_sizes=[1, 4, 16], weights=[1, 1, 1]), {}, {})
+    assert merged.bands == [Band(None, "adaptive")] and merged.switch_batch == 4
+    with pytest.raises(FlexDraftError, match="no trial was measured at every batch size"):
+        export_policy(trials[3:], Objective(batch_sizes=[1, 4, 16], weights=[1, 1, 1]), {}, {})
 
 
 def _policy_for(path: Path, target: str, drafter: str) -> Path:
@@ -94,13 +120,13 @@ def test_bad_sweep_input_is_one_clear_error_before_any_trial(raw, needle, tiny_s
 
 
 def test_the_sweep_entrypoint_reports_bad_input_in_one_line_without_starting_ray(tmp_path):
+    """(Whether Ray started is read from its output, not from how long the command took.)"""
     (tmp_path / "s.yaml").write_text("name: x\nspace: {foo: [1]}\n")
-    t0 = time.time()
     p = subprocess.run([*SWEEP, "--config", str(tmp_path / "s.yaml")], env={**ENV, "FLEXDRAFT_HOME": str(tmp_path)},
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2
     assert p.stderr.strip().splitlines()[-1].startswith("tuning/sweep.py: error: space.foo: unknown parameter")
-    assert "Ray" not in p.stdout + p.stderr and time.time() - t0 < 60
+    assert "Ray" not in p.stdout + p.stderr
 
 
 def _interrupted_then_resumed(config: Path, home: Path, uri: str) -> subprocess.CompletedProcess:
@@ -165,6 +191,7 @@ def test_decode_sweep_is_resumed_after_ctrl_c_and_exports_a_policy_generate_take
                  "--prompt", "hi", "--max-new-tokens", "4"]) == 0
 
 
+@pytest.mark.slow
 def test_training_sweep_trains_a_drafter_per_trial_under_asha_and_resumes(ray_head, tiny_pipeline, tmp_path,
                                                                          mlflow_uri):
     """Two training trials (k = 1, 2) on the tiny pipeline's data, each a Ray Train run inside its Tune trial,

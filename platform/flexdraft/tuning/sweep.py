@@ -182,13 +182,18 @@ def trial_policy(params: dict) -> Policy:
 
 def export_policy(trials: list[dict], objective: Objective, identity: dict, source: dict) -> Policy:
     """The policy of the best measured trial at each batch size: band i covers the live rows up to batch size
-    b_i (the last one: any number) with the settings of the trial fastest at b_i. S is the value under which
-    the most bands (by weight) decide parallel plans as their trial did. trials: [{"params", "results": {b:
-    {"speedup", ...}}}], each measured at every batch size."""
-    bands, allow = [], []  # allow: did the winner at b permit parallel plans at b rows (b <= its S)?
+    b_i (the last one: any number) with the settings of the trial fastest at b_i (a tie goes to the trial with the
+    better objective, then to the earlier one). Only trials measured at every batch size compete (one stopped
+    early is not compared on the sizes it reached). S is the value under which the most bands (by weight)
+    decide parallel plans as their trial did. trials: [{"params", "results": {b: {"speedup", ...}}}]."""
     batches = sorted(objective.batch_sizes)
+    trials = [t for t in trials if all(b in t["results"] for b in batches)]
+    if not trials:
+        raise FlexDraftError("no trial was measured at every batch size: nothing to export")
+    overall = [objective.score({b: t["results"][b]["speedup"] for b in batches}) for t in trials]
+    bands, allow = [], []  # allow: did the winner at b permit parallel plans at b rows (b <= its S)?
     for i, b in enumerate(batches):
-        best = max(trials, key=lambda t: t["results"][b]["speedup"])
+        best = trials[max(range(len(trials)), key=lambda j: (trials[j]["results"][b]["speedup"], overall[j], -j))]
         policy = trial_policy(best["params"])
         band = dataclasses.replace(policy.band(b), max_rows=None if i == len(batches) - 1 else b)
         bands.append(band)
