@@ -37,8 +37,9 @@ $(STAMP): pyproject.toml constraints.txt data-packages.txt
 demo: $(STAMP)
 	$(VENV)/bin/flexdraft demo
 
+# two workers: the Ray tests in order on one (they share a Ray head), the rest beside them (tests/conftest.py)
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q -n 2 --durations=15
 
 bench: $(STAMP)
 	$(VENV)/bin/flexdraft bench

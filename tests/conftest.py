@@ -15,11 +15,30 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 torch.set_num_threads(1)
 
 
+# the test files that use a Ray cluster: they share one `ray start --head` (ray_head) or take the ports it would
+# (the local cluster's, Serve's 8000), so under pytest-xdist they run on one worker, in order
+RAY_FILES = ("test_jobs.py", "test_sweep.py", "test_serve.py", "test_cluster.py")
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """`make test` runs two pytest-xdist workers: one takes the Ray files, the other every other module, a module
+    at a time (so module fixtures, e.g. a trained tiny drafter, are built once)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class RayApart(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::")[0]
+            return "ray" if Path(path).name in RAY_FILES else path
+
+    return RayApart(config, log)
+
+
 @pytest.fixture(autouse=True)
 def threads(request):
-    """Real-model tests decode on every core (one generating process runs best so); the rest on one: tiny models'
-    GEMMs gain nothing from more, and Ray workers beside the test process take one each."""
-    n = len(os.sched_getaffinity(0)) if request.node.get_closest_marker("real_model") else 1
+    """Real-model tests decode on every core this test process has to itself (one generating process runs best
+    so); the rest on one: tiny models' GEMMs gain nothing from more, and Ray workers beside it take one each."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))  # (pytest-xdist's workers share the cores)
+    n = max(1, len(os.sched_getaffinity(0)) // workers) if request.node.get_closest_marker("real_model") else 1
     torch.set_num_threads(n)
     yield n
     torch.set_num_threads(1)

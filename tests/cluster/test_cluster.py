@@ -236,7 +236,6 @@ def test_serve_app_runs_a_replica_on_each_node(local_cluster, tiny_smollm2, tmp_
     app_cfg = yaml.safe_load((REPO / "serve" / "config.yaml").read_text())
     app_cfg["http_options"]["port"] = 8095
     app = app_cfg["applications"][0]
-    app["runtime_env"]["working_dir"] = f"local://{REPO}"
     d = app["deployments"][0]
     d["ray_actor_options"] = {"num_cpus": 1}
     d["autoscaling_config"].update(min_replicas=2, max_replicas=2)

@@ -72,28 +72,39 @@ def drafters(tiny):
             {"untrained": untrained, "random": random, "random-entry1-causal": entry1, "trained": trained}.items()}
 
 
-class OracleProposer(DrafterProposer):
-    """The drafter's drafts replaced, each time it writes them, by the reference continuation (always right) or
-    by a token that differs from it (always wrong), with full confidence: verification alone must keep the output
-    exact."""
+class ReferenceProposer(DrafterProposer):
+    """The engine's drafter proposer whose drafts, each time it writes them, are replaced (`replace`) by ones made
+    from the reference continuation of the row's request: drafts the test controls, through the proposer's
+    interface."""
 
-    def __init__(self, engine: Engine, reference: dict, wrong: bool):
+    def __init__(self, engine: Engine, reference: dict):
         p = engine.proposer
         super().__init__(p.target, p.drafter, p.cache, p.state, p.trees, p.timed)
-        self.B, self.reference, self.wrong = engine.B, reference, wrong
+        self.B, self.reference = engine.B, reference
 
     def write(self, rows, logits, slots, confidences, from_branch=False):
         super().write(rows, logits, slots, confidences, from_branch)
-        V = self.target.args.vocab_size
         for row in rows.tolist():
             req = slots[row]
-            ref = self.reference[tuple(req.prompt)][len(req.tokens):] + [0] * self.B
-            drafts = torch.tensor(ref[: self.B]) + (1 if self.wrong else 0)
-            self.state.drafts[row, : self.B] = drafts % V
-            self.state.conf[row, : self.B] = 1.0
-            K = self.state.cand.shape[-1]  # tree candidates: the draft first, then tokens that are never right
-            self.state.cand[row, : self.B] = (drafts[:, None] + torch.arange(K) * (2 if self.wrong else 1)) % V
-            self.state.cand_logp[row, : self.B] = -torch.arange(K, dtype=torch.float32)
+            ref = torch.tensor((self.reference[tuple(req.prompt)][len(req.tokens):] + [0] * self.B)[: self.B])
+            self.replace(row, ref, self.target.args.vocab_size, self.state.cand.shape[-1])
+
+
+class OracleProposer(ReferenceProposer):
+    """Drafts = the reference continuation (always right) or a token that differs from it (always wrong), with
+    full confidence: verification alone must keep the output exact."""
+
+    def __init__(self, engine: Engine, reference: dict, wrong: bool):
+        super().__init__(engine, reference)
+        self.wrong = wrong
+
+    def replace(self, row, ref, V, K):
+        drafts = ref + (1 if self.wrong else 0)
+        self.state.drafts[row, : self.B] = drafts % V
+        self.state.conf[row, : self.B] = 1.0
+        # tree candidates: the draft first, then tokens that are never right
+        self.state.cand[row, : self.B] = (drafts[:, None] + torch.arange(K) * (2 if self.wrong else 1)) % V
+        self.state.cand_logp[row, : self.B] = -torch.arange(K, dtype=torch.float32)
 
 
 @pytest.mark.parametrize("batch", [1, 3, 16])
@@ -174,25 +185,19 @@ def test_any_sequence_of_plans_is_lossless(tiny, drafters, batch):
     assert modes == {"ar", "sequential", "tree", "parallel", "lookup"}
 
 
-class SecondChoiceProposer(DrafterProposer):
+class SecondChoiceProposer(ReferenceProposer):
     """Tree candidates where the reference token is the drafter's first choice at every slot but the second,
     whose first choice is wrong (the chain's draft there never passes)."""
 
     def __init__(self, engine: Engine, reference: dict, second: int):
-        p = engine.proposer
-        super().__init__(p.target, p.drafter, p.cache, p.state, p.trees, p.timed)
-        self.B, self.reference, self.second = engine.B, reference, second
+        super().__init__(engine, reference)
+        self.second = second
 
-    def write(self, rows, logits, slots, confidences, from_branch=False):
-        super().write(rows, logits, slots, confidences, from_branch)
-        V, K = self.target.args.vocab_size, self.state.cand.shape[-1]
-        for row in rows.tolist():
-            req = slots[row]
-            ref = torch.tensor((self.reference[tuple(req.prompt)][len(req.tokens):] + [0] * self.B)[: self.B])
-            cand = (ref[:, None] + torch.arange(max(K, 2))) % V  # [B, K]: the reference first
-            cand[self.second - 1, :2] = cand[self.second - 1, :2].flip(0)  # ... except at slot `second`
-            self.state.cand[row, : self.B], self.state.drafts[row, : self.B] = cand[:, :K], cand[:, 0]
-            self.state.cand_logp[row, : self.B] = torch.tensor([-0.1, -0.2, -5.0, -5.0][:K] + [-5.0] * (K - 4))
+    def replace(self, row, ref, V, K):
+        cand = (ref[:, None] + torch.arange(max(K, 2))) % V  # [B, K]: the reference first
+        cand[self.second - 1, :2] = cand[self.second - 1, :2].flip(0)  # ... except at slot `second`
+        self.state.cand[row, : self.B], self.state.drafts[row, : self.B] = cand[:, :K], cand[:, 0]
+        self.state.cand_logp[row, : self.B] = torch.tensor([-0.1, -0.2, -5.0, -5.0][:K] + [-5.0] * (K - 4))
 
 
 def test_tree_accepts_a_path_through_a_second_choice(tiny, drafters):

@@ -33,11 +33,11 @@ BODY_LIMIT = 1 << 16  # the tiny app's max_body_bytes
 
 
 def application(name: str, route: str, home: Path, model: Path, **deployment) -> dict:
-    """serve/config.yaml's application, renamed and routed, on one of the test's models; `deployment` overrides."""
+    """serve/config.yaml's application (imported from the installed package, no working_dir: as `flexdraft serve`
+    runs it), renamed and routed, on one of the test's models; `deployment` overrides."""
     cfg = yaml.safe_load((REPO / "serve" / "config.yaml").read_text())
     app = cfg["applications"][0]
     app.update(name=name, route_prefix=route)
-    app["runtime_env"]["working_dir"] = f"local://{REPO}"  # as `flexdraft serve` does
     app["runtime_env"]["env_vars"].update(FLEXDRAFT_HOME=str(home), FLEXDRAFT_API_KEY=KEY)
     d = app["deployments"][0]
     d["ray_actor_options"] = {"num_cpus": 0}  # beside the Ray Train tests' 2 CPUs

@@ -15,8 +15,6 @@ def run_distill(cfg: PipelineConfig) -> Path:
     Within the distill budget (from this call on): no shard starts once less than a third of a shard's time is
     left (a shard cut after its prefill would teach nothing), running ones are cut at the deadline, and the first
     shard of each actor always starts, so there is validation data and some training data."""
-    import ray
-
     from flexdraft.speculative.lookup import store_path
     from flexdraft.training.distill import select_prompts, shards, write_manifest
     from flexdraft.models.loading import load_tokenizer, resolve_source
@@ -38,6 +36,21 @@ def run_distill(cfg: PipelineConfig) -> Path:
                    f"{len(all_shards) - len(todo)} already done; dtype {d.dtype} -> {runtime.dtype_name()}; "
                    + (f"time budget {d.time_budget_min:g} min" if deadline else "no time budget"))
 
+    cut = _answer_shards(cfg, runtime, todo, out, deadline) if todo else 0
+    if todo:
+        log("distill", f"time budget of {d.time_budget_min:g} min spent: {len(todo)} train shards left out")
+    manifest = write_manifest(out, cfg, {"shards_left_out": len(todo), "answers_cut": cut,
+                                         "dtype": runtime.dtype_name()})
+    store = store_path(out, model_args(cfg).vocab_size)
+    log("distill", f"done: train {manifest['train']}, validation {manifest['validation']}; n-gram store {store}")
+    return out
+
+
+def _answer_shards(cfg: PipelineConfig, runtime: RuntimeConfig, todo: list, out: Path, deadline: float | None) -> int:
+    """Answer the shards of `todo` on a pool of Ray actors, one shard per call, as the budget allows (see
+    `run_distill`); what is left unanswered stays in `todo` -> how many answers the deadline cut."""
+    import ray
+
     @ray.remote(num_cpus=cfg.workers.threads_per_worker, num_gpus=1 if cfg.workers.use_gpu else 0)
     class Answerer:
         def __init__(self):
@@ -50,41 +63,33 @@ def run_distill(cfg: PipelineConfig) -> Path:
 
             return answer_shard(self.lm, rows, cfg, Path(path), deadline)
 
-    cut = 0
-    if todo:
-        idle = [Answerer.remote() for _ in range(min(cfg.workers.num_workers, len(todo)))]
-        actors, running = list(idle), {}
-        t0, tokens, done, whole = time.perf_counter(), 0, 0, []  # whole: seconds of the shards answered in full
+    idle = [Answerer.remote() for _ in range(min(cfg.workers.num_workers, len(todo)))]
+    actors, running = list(idle), {}
+    t0, tokens, done, cut, whole = time.perf_counter(), 0, 0, 0, []  # whole: seconds of shards answered in full
 
-        def may_start() -> bool:  # each actor's first shard; later ones while a third of a shard's time is left
-            if deadline is None or done + len(running) < len(actors):
-                return True
-            return time.time() + (sum(whole) / len(whole) / 3 if whole else 0.0) < deadline
+    def may_start() -> bool:  # each actor's first shard; later ones while a third of a shard's time is left
+        if deadline is None or done + len(running) < len(actors):
+            return True
+        return time.time() + (sum(whole) / len(whole) / 3 if whole else 0.0) < deadline
 
-        while todo or running:
-            while idle and todo and may_start():
-                name, rows = todo.pop(0)
-                actor = idle.pop()
-                running[actor.answer.remote(rows, str(out / name), deadline)] = actor
-            if not running:
-                break
-            [ref], _ = ray.wait(list(running), num_returns=1)
-            idle.append(running.pop(ref))
-            res = ray.get(ref)
-            done, tokens, cut = done + 1, tokens + res["answer_tokens"], cut + res["cut"]
-            if not res["cut"]:
-                whole.append(res["seconds"])
-            elapsed = time.perf_counter() - t0
-            log("distill", f"shard {res['file']} done ({done}/{done + len(todo) + len(running)}): "
-                           f"{res['answer_tokens']} answer tokens in {res['seconds']:.0f}s"
-                           + (f" ({res['cut']} answers cut by the time budget)" if res["cut"] else "")
-                           + f"; total {tokens} tokens, {tokens / elapsed:.0f} tok/s")
-        for a in actors:
-            ray.kill(a)
-        if todo:
-            log("distill", f"time budget of {d.time_budget_min:g} min spent: {len(todo)} train shards left out")
-    manifest = write_manifest(out, cfg, {"shards_left_out": len(todo), "answers_cut": cut,
-                                         "dtype": runtime.dtype_name()})
-    store = store_path(out, model_args(cfg).vocab_size)
-    log("distill", f"done: train {manifest['train']}, validation {manifest['validation']}; n-gram store {store}")
-    return out
+    while todo or running:
+        while idle and todo and may_start():
+            name, rows = todo.pop(0)
+            actor = idle.pop()
+            running[actor.answer.remote(rows, str(out / name), deadline)] = actor
+        if not running:
+            break
+        [ref], _ = ray.wait(list(running), num_returns=1)
+        idle.append(running.pop(ref))
+        res = ray.get(ref)
+        done, tokens, cut = done + 1, tokens + res["answer_tokens"], cut + res["cut"]
+        if not res["cut"]:
+            whole.append(res["seconds"])
+        elapsed = time.perf_counter() - t0
+        log("distill", f"shard {res['file']} done ({done}/{done + len(todo) + len(running)}): "
+                       f"{res['answer_tokens']} answer tokens in {res['seconds']:.0f}s"
+                       + (f" ({res['cut']} answers cut by the time budget)" if res["cut"] else "")
+                       + f"; total {tokens} tokens, {tokens / elapsed:.0f} tok/s")
+    for a in actors:
+        ray.kill(a)
+    return cut
