@@ -7,17 +7,15 @@ V = vocabulary, d = model width.
 
 Per row the engine holds `lens` (tokens in the cache), `bonus` (the last emitted token, not yet in the cache:
 it sits at position lens) and `ndrafts` drafts d_1.. for positions lens+1.. with their confidences (and
-their full distributions q for sampled rows); `from_branch` says whether a parallel branch made them. One step:
-  1. admit waiting requests: prefill, draw the first token (it becomes the row's bonus);
-  2. AR mode: one target token per row. Speculative modes: rows without drafts (fresh, pruned, or coming
-     from an AR step) get a sequential drafter pass with the bonus known in slot 0; then the target verifies
-     [bonus, d_1..d_Bv] per row. Sequential mode drafts again next step; tree mode verifies a
-     token tree built from each slot's top candidates instead of the chain d_1..d_Bv; parallel mode carries
-     candidate draft blocks (branches) through the same verify forward and keeps the one matching the
-     accepted length. A lookup step verifies prompt-lookup drafts instead (the tokens that followed the
-     latest earlier occurrence of the row's last n tokens, `lookup.NgramIndex`) and, with an n-gram store
-     (`lookup.NgramStore`), the store's chain too, both as one token trie; it runs no drafter;
-  3. finished rows leave (the last row moves into the freed one: rows stay contiguous).
+their full distributions q for sampled rows); `from_branch` says whether a parallel branch made them. A step
+reads plan -> propose -> verify -> commit -> retire:
+  1. admit waiting requests (prefill, draw the first token: the row's bonus), then plan the step (`plan`);
+  2. propose: rows without drafts (fresh, pruned, after an AR or lookup step) get a drafter pass with the bonus
+     known in slot 0 (`proposers.DrafterProposer`); a lookup step's drafts are prompt-lookup and n-gram-store
+     chains (`proposers.LookupProposer`), several per row verified as one token trie, with no drafter;
+  3. verify [bonus, d_1..d_Bv] per row in one target forward (tree mode: a token tree of each slot's top
+     candidates; parallel mode: candidate draft blocks carried through the same forward, the one matching the
+     accepted length kept), commit what was accepted, retire finished rows (the last row moves into the freed one).
 Lossless: every emitted token is the target's argmax (greedy) or drawn by speculative sampling against
 the target's distribution; the drafts only decide how many of them one forward yields.
 """
@@ -363,7 +361,9 @@ class Engine:
         pos = lens[:, None] + torch.arange(T, device=dev)
         view = self.cache.rows(0, n)
         if mode == "parallel":
-            anchors = self._branches(n, Bv, plan.branches)  # [n, m]
+            band = self.band(n)  # selective verification: the most probable branches first (`branch_anchors`)
+            anchors = branch_anchors(self.state.conf[:n, :Bv], band.rho, band.top_m, plan.branches)  # [n, m]
+            self.last_stats.branches = float(anchors.shape[1])
             logits, hb = self.timed("parallel", lambda: self.parallel_logits(tokens, pos, view, anchors),
                                      n, T * (1 + anchors.shape[1]))
         else:
@@ -463,13 +463,6 @@ class Engine:
                 a, b = speculative_sample(p, drafts[i], q, req.generator)
                 accepted[i], bonus[i] = a, b
         return accepted, bonus
-
-    def _branches(self, n: int, Bv: int, cap: int) -> torch.Tensor:
-        """Selective verification: rows 0..n-1's branch anchors [n, m], most probable first (`branch_anchors`)."""
-        band = self.band(n)
-        anchors = branch_anchors(self.state.conf[:n, :Bv], band.rho, band.top_m, cap)
-        self.last_stats.branches = float(anchors.shape[1])
-        return anchors
 
     def _retire(self) -> None:
         """Remove finished rows; the last row moves into each freed row (a copy of its cached prefix)."""

@@ -32,6 +32,9 @@ class StepStats:
         return self.mode not in (Mode.AR, IDLE, PROFILE) and bool(self.accepted)
 
 
+COUNTS = ("num_steps", "num_rows", "num_tokens", "num_drafts", "num_draft_tokens", "num_accepted_tokens")
+
+
 @dataclass
 class SpecDecodingStats:
     """Counts over steps, as vLLM counts them: a draft is one row verified by a speculative step (its
@@ -61,7 +64,7 @@ class SpecDecodingStats:
         self.add(SpecDecodingStats.of_step(step))
 
     def add(self, other: "SpecDecodingStats") -> None:
-        for name in ("num_steps", "num_rows", "num_tokens", "num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+        for name in COUNTS:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         pos = self.num_accepted_tokens_per_pos
         pos.extend([0] * (len(other.num_accepted_tokens_per_pos) - len(pos)))
@@ -72,7 +75,7 @@ class SpecDecodingStats:
 
     def delta(self, earlier: "SpecDecodingStats") -> "SpecDecodingStats":
         d = copy.deepcopy(self)
-        for name in ("num_steps", "num_rows", "num_tokens", "num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+        for name in COUNTS:
             setattr(d, name, getattr(self, name) - getattr(earlier, name))
         for j, n in enumerate(earlier.num_accepted_tokens_per_pos):
             d.num_accepted_tokens_per_pos[j] -= n
