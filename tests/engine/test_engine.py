@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from conftest import make_tiny_hf, ragged_prompts
+from engine_fixtures import CPU32, OracleProposer, ReferenceProposer, drafters, tiny  # noqa: F401 (fixtures)
 from flexdraft.core.config import RuntimeConfig
 from flexdraft.drafter.model import Drafter, DrafterConfig, read_drafter_meta, load_drafter
 from flexdraft.drafter.model import parallel_forward
 from flexdraft.engine.engine import Engine
-from flexdraft.engine.proposers import DrafterProposer
 from flexdraft.engine.config import EngineConfig
 from flexdraft.core.errors import FlexDraftError
 from flexdraft.speculative.sampling import SamplingParams, filtered_logits
@@ -22,89 +22,10 @@ from flexdraft.models.loading import load_model
 from flexdraft.drafter.recipe import default_drafter_dir
 from flexdraft.speculative.branches import CostModel, Plan, monotone
 from flexdraft.speculative.trees import chain_trie, trie_nodes
-from flexdraft.training.drafter_training import Sequences, training_step
 
-CPU32 = RuntimeConfig(device="cpu", dtype="float32", threads=1, cpu_prepack=False)
 EOS = 2
 MODES = [("sequential", {}), ("parallel", {}), ("parallel", {"top_m": 2}), ("tree", {}), ("parallel", {"rho": 0.6}),
          ("adaptive", {"switch_batch": 3}), ("adaptive", {"switch_batch": 3, "cost_model": False}), ("lookup", {})]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny")
-    make_tiny_hf("llama", folder)
-    return load_model(folder, CPU32, with_tokenizer=False).model
-
-
-
-@pytest.fixture(scope="module")
-def drafters(tiny):
-    """untrained (copied projectors, calibration zero); random (projectors and calibration perturbed), also
-    with blocks entering at layer 1 and causal tuned attention; trained (60 attention-tuning steps on the
-    tiny target's own greedy continuations, then calibration)."""
-    torch.manual_seed(0)
-    cfg = DrafterConfig(k=2, block_size=4)
-    untrained = Drafter.from_target(tiny, cfg)
-    random = Drafter.from_target(tiny, cfg)
-    entry1 = Drafter.from_target(tiny, DrafterConfig(k=2, block_size=4, entry_layer=1, tuned_attention="causal"))
-    with torch.no_grad():
-        for p in (*random.parameters(), *entry1.parameters()):
-            p.add_(torch.randn_like(p) * 0.5)
-    trained = Drafter.from_target(tiny, cfg)
-    prompts = ragged_prompts(16, seed=7)
-    outs = generate(tiny, prompts, SamplingParams(max_new_tokens=40))
-    rows = [p + o.token_ids for p, o in zip(prompts, outs)]
-    T = max(map(len, rows))
-    tokens = torch.zeros(len(rows), T, dtype=torch.long)
-    for i, r in enumerate(rows):
-        tokens[i, : len(r)] = torch.tensor(r)
-    seqs = Sequences(tokens, torch.tensor([len(r) for r in rows]), torch.tensor([len(p) for p in prompts]))
-    g = torch.Generator().manual_seed(0)
-    for stage, steps in (("attention", 60), ("calibration", 30)):
-        opt = torch.optim.AdamW(trained.parameters_for(stage), lr=3e-3)
-        for _ in range(steps):
-            opt.zero_grad()
-            training_step(trained, tiny, seqs, stage, 16, "ce", 0.8, g).loss.backward()
-            opt.step()
-    trained.requires_grad_(False)
-    return {name: d.to_runtime(tiny) for name, d in
-            {"untrained": untrained, "random": random, "random-entry1-causal": entry1, "trained": trained}.items()}
-
-
-class ReferenceProposer(DrafterProposer):
-    """The engine's drafter proposer whose drafts, each time it writes them, are replaced (`replace`) by ones made
-    from the reference continuation of the row's request: drafts the test controls, through the proposer's
-    interface."""
-
-    def __init__(self, engine: Engine, reference: dict):
-        p = engine.proposer
-        super().__init__(p.target, p.drafter, p.cache, p.state, p.trees, p.timed)
-        self.B, self.reference = engine.B, reference
-
-    def write(self, rows, logits, slots, confidences, from_branch=False):
-        super().write(rows, logits, slots, confidences, from_branch)
-        for row in rows.tolist():
-            req = slots[row]
-            ref = torch.tensor((self.reference[tuple(req.prompt)][len(req.tokens):] + [0] * self.B)[: self.B])
-            self.replace(row, ref, self.target.args.vocab_size, self.state.cand.shape[-1])
-
-
-class OracleProposer(ReferenceProposer):
-    """Drafts = the reference continuation (always right) or a token that differs from it (always wrong), with
-    full confidence: verification alone must keep the output exact."""
-
-    def __init__(self, engine: Engine, reference: dict, wrong: bool):
-        super().__init__(engine, reference)
-        self.wrong = wrong
-
-    def replace(self, row, ref, V, K):
-        drafts = ref + (1 if self.wrong else 0)
-        self.state.drafts[row, : self.B] = drafts % V
-        self.state.conf[row, : self.B] = 1.0
-        # tree candidates: the draft first, then tokens that are never right
-        self.state.cand[row, : self.B] = (drafts[:, None] + torch.arange(K) * (2 if self.wrong else 1)) % V
-        self.state.cand_logp[row, : self.B] = -torch.arange(K, dtype=torch.float32)
 
 
 @pytest.mark.parametrize("batch", [1, 3, 16])
@@ -158,7 +79,7 @@ class RandomPlanEngine(Engine):
         super().__init__(*args, **kw)
         self.rng = random.Random(seed)
 
-    def plan(self, n):
+    def plan(self, n, caps=None):
         Bv = self.rng.randint(1, self.B)
         plans = [Plan("ar"), Plan("sequential", Bv), Plan("tree", Bv), Plan("parallel", Bv, self.rng.randint(1, 3))]
         if self.lookups.propose(self.slots, n, self.lookup):
@@ -169,19 +90,24 @@ class RandomPlanEngine(Engine):
 @pytest.mark.parametrize("batch", [1, 3])
 def test_any_sequence_of_plans_is_lossless(tiny, drafters, batch):
     """Whatever the adaptive policy picks, step after step (random plans: every mode after every other, rows
-    with drafts from a branch, a drafter pass, a lookup step or none), greedy output equals AR greedy."""
+    with drafts from a branch, a drafter pass, a lookup step or none), and whatever cap a request sets on its
+    drafts (none, 0 = no speculation, 1, 2), greedy output equals AR greedy."""
     prompts = ragged_prompts(batch + 2, seed=21)
     params = SamplingParams(max_new_tokens=30)
     ref = [g.token_ids for g in generate(tiny, prompts, params)]
+    capped = [SamplingParams(max_new_tokens=30, max_draft_tokens=[None, 0, 1, 2][i % 4]) for i in range(len(prompts))]
     modes = set()
     for seed in range(3):
         engine = RandomPlanEngine(tiny, drafters["trained"], EngineConfig(mode="adaptive", max_batch=batch, max_len=96),
                                   seed=seed)
-        ids = [engine.add_request(p, params) for p in prompts]
+        ids = [engine.add_request(p, c) for p, c in zip(prompts, capped)]
         while engine.has_work():
             engine.step()
             modes.add(engine.last_stats.mode)
-        assert [engine.result(i).token_ids for i in ids] == ref, seed
+        results = [engine.result(i) for i in ids]
+        assert [g.token_ids for g in results] == ref, seed
+        assert all(max(g.extra["accepted_lengths"], default=0) <= c.max_draft_tokens
+                   for g, c in zip(results, capped) if c.max_draft_tokens is not None)
     assert modes == {"ar", "sequential", "tree", "parallel", "lookup"}
 
 

@@ -37,7 +37,7 @@ from flexdraft.engine.proposers import DrafterProposer, LookupProposer
 from flexdraft.engine.state import Request, RowState
 from flexdraft.engine.stats import IDLE, SpecDecodingStats, StepStats
 from flexdraft.models.transformer import Transformer
-from flexdraft.speculative.branches import Plan, branch_anchors
+from flexdraft.speculative.branches import AcceptanceModel, Plan, branch_anchors
 from flexdraft.speculative.lookup import NgramIndex, NgramStore
 from flexdraft.speculative.planner import LOOKUP_MARGIN, Planner
 from flexdraft.speculative.policy_file import Band, Policy
@@ -97,6 +97,7 @@ class Engine:
             if drafter is not None else None
         self.lookups = LookupProposer(self.B, self.store, self.planner)
         self.last_stats = StepStats(IDLE, 0)
+        self.clock = time.perf_counter  # what steps and forwards are timed with (the cost model learns from it)
         self.totals = SpecDecodingStats()  # since start
         self.pruned_misses = 0  # parallel steps' rows whose accepted length fell on a pruned branch, since start
 
@@ -191,29 +192,39 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> dict[int, list[int]]:
         """One decoding step for every active row (after admitting waiting requests): {id: new token ids}."""
-        t0 = time.perf_counter()
+        t0 = self.clock()
         stats = self.last_stats = StepStats(IDLE, 0)  # this step's, filled as it goes
         out = self._admit()
         self._retire()
         n = len(self.slots)
         if n:
-            plan = self.plan(n)
+            caps = self.caps(n)
+            plan = self.plan(n, caps)
             stats.mode, stats.rows, stats.block = plan.mode, n, plan.block
             if plan.mode not in NO_DRAFTER:  # (lookup drafts: written by _verify, as a chain or a trie)
-                need = (self.state.ndrafts[:n] < plan.block).nonzero().squeeze(-1)
+                need = ((self.state.ndrafts[:n] < plan.block) & (caps > 0)).nonzero().squeeze(-1)
                 if need.numel():
                     stats.drafted_rows = need.numel()
                     self.proposer.propose(need, plan.block, self.slots, self._parallel_may_follow(n))
-            for rid, tokens in self._verify(n, plan).items():  # (a row admitted this step: after its first)
+            for rid, tokens in self._verify(n, plan, caps).items():  # (a row admitted this step: after its first)
                 out.setdefault(rid, []).extend(tokens)
             self._retire()
         self._sync()
-        stats.seconds = time.perf_counter() - t0
+        stats.seconds = self.clock() - t0
         stats.tokens = sum(len(v) for v in out.values())
         if n and not stats.admitted:
-            self.costs.record_step(stats.mode, stats.seconds, sum(stats.forward_seconds.values()))
+            forwards = sum(stats.forward_seconds.values())
+            self.costs.record_step(stats.mode, stats.seconds, forwards)
+            self.planner.observe(plan, forwards)
         self.totals.observe(stats)
         return out
+
+    def caps(self, n: int) -> torch.Tensor:
+        """[n] the most drafts each row may have accepted this step: its request's `max_draft_tokens` (0: no
+        speculation), 0 while its own acceptance says drafting does not pay (`RowAcceptance`), else B."""
+        caps = [min(self.B, req.params.max_draft_tokens) if req.params.max_draft_tokens is not None
+                else self.B if req.acceptance.drafts_now() else 0 for req in self.slots[:n]]
+        return torch.tensor(caps, dtype=torch.long, device=self.target.device)
 
     def _parallel_may_follow(self, n: int) -> bool:
         """Whether a parallel step may come at n rows (its pruning weighs the drafts' confidences)."""
@@ -228,10 +239,10 @@ class Engine:
         """Run fn, add its wall time to this step's `last_stats` under `kind` and, for a forward of `rows` rows x
         `tokens` tokens each, to the cost model."""
         self._sync()
-        t0 = time.perf_counter()
+        t0 = self.clock()
         result = fn()
         self._sync()
-        dt = time.perf_counter() - t0
+        dt = self.clock() - t0
         seconds = self.last_stats.forward_seconds
         seconds[kind] = seconds.get(kind, 0.0) + dt
         if rows:
@@ -252,9 +263,10 @@ class Engine:
             return []
         return sorted({b.tree_nodes for b in self.policy.bands} - {0}) if self.policy else [self.config.tree_nodes]
 
-    def plan(self, n: int) -> Plan:
+    def plan(self, n: int, caps: torch.Tensor | None = None) -> Plan:
         """The plan of a step with n rows, by their band: a fixed mode (lookup: AR when no row has a match), or
-        adaptive: the planner's (`Planner.adaptive`), unless this step's lookup drafts promise more."""
+        adaptive: the planner's (`Planner.adaptive`, weighing each row by its cap and its own acceptance),
+        unless this step's lookup drafts promise more."""
         band = self.band(n)
         Bv = band.block or self.B
         if band.mode == Mode.LOOKUP:
@@ -262,7 +274,9 @@ class Engine:
         if band.mode != Mode.ADAPTIVE:
             return Plan(band.mode, 0 if band.mode == Mode.AR else Bv)
         fresh = int((self.state.ndrafts[:n] == 0).sum())
-        plan, rate = self.planner.adaptive(n, fresh, self.totals.num_steps, band)
+        share = 1.0 if caps is None else sum(
+            min(c, Bv) / Bv * req.acceptance.weight for c, req in zip(caps.tolist(), self.slots)) / n
+        plan, rate = self.planner.adaptive(n, fresh, self.totals.num_steps, band, share)
         if band.lookup and rate is not None:  # against an AR step, a margin (see LOOKUP_MARGIN)
             rate_to_beat = rate * (LOOKUP_MARGIN if plan.mode == Mode.AR else 1.0)
             return self.lookups.plan(self.slots, n, band, rate_to_beat, bool(self.waiting)) or plan
@@ -339,19 +353,19 @@ class Engine:
 
     # ---------------------------------------------------------------- verification
 
-    def _verify(self, n: int, plan: Plan) -> dict[int, list[int]]:
-        """Target forward over [bonus, d_1..d_Bv] of rows 0..n-1 (+ branches in parallel mode), acceptance,
-        cache rollback by length -> {id: emitted tokens}."""
+    def _verify(self, n: int, plan: Plan, caps: torch.Tensor) -> dict[int, list[int]]:
+        """Target forward over [bonus, d_1..d_Bv] of rows 0..n-1 (+ branches in parallel mode), acceptance of at
+        most caps [n] drafts per row, cache rollback by length -> {id: emitted tokens}."""
         mode, Bv = plan.mode, plan.block
         if mode == "tree":
             depth, parent, rank = draft_tree(self.state.cand_logp[:n, :Bv], self.band(n).tree_nodes)  # [n, N]
             nodes = tree_tokens(self.state.cand[:n, :Bv], depth, rank)
-            return self._verify_tree(n, Bv, depth, parent, nodes, ["tree"] * n)
+            return self._verify_tree(n, Bv, depth, parent, nodes, ["tree"] * n, caps)
         proposals = self.lookups.proposals
         if mode == "lookup" and any(len(chains) > 1 for chains, _ in proposals):  # verified as a token trie
             chains = [[c[:Bv] for c in cs] for cs, _ in proposals]
             depth, parent, nodes = chain_trie(chains, self.state.bonus[:n].tolist(), self.target.device)
-            return self._verify_tree(n, Bv, depth, parent, nodes, [k for _, k in proposals])
+            return self._verify_tree(n, Bv, depth, parent, nodes, [k for _, k in proposals], caps)
         if mode == "lookup":
             self.lookups.write(self.state, self.slots, n, Bv)
         dev, T = self.target.device, Bv + 1
@@ -369,14 +383,14 @@ class Engine:
         else:
             logits = self.timed("target", lambda: self.target_logits(tokens, pos, view), n, T)
             hb = None
-        accepted, new_bonus = self._accept(logits, tokens[:, 1:], rows)  # [n], [n]
+        accepted, new_bonus = self._accept(logits, tokens[:, 1:], rows, caps)  # [n], [n]
         if mode == "ar":
             kinds = None
         elif mode == "lookup":  # counted by n-gram size; rows without a match verified filler: not counted
             kinds = [kind for _, kind in proposals]
         else:
             kinds = ["parallel" if b else "sequential" for b in self.state.from_branch[:n].tolist()]
-        out = self._commit(n, lens, accepted, new_bonus, self.state.drafts[:n, :Bv], kinds, Bv)
+        out = self._commit(n, lens, accepted, new_bonus, self.state.drafts[:n, :Bv], kinds, Bv, caps)
         if hb is not None:
             misses = self.proposer.take_branches(hb, anchors, accepted, new_bonus, self.slots, self.config.calibrate,
                                                  self._parallel_may_follow(n))
@@ -384,36 +398,46 @@ class Engine:
             self.pruned_misses += misses
         return out
 
-    def _commit(self, n, lens, accepted, new_bonus, drafts, kinds, Bv) -> dict[int, list[int]]:
+    def _commit(self, n, lens, accepted, new_bonus, drafts, kinds, Bv, caps=None) -> dict[int, list[int]]:
         """After a verify of rows 0..n-1 (old lengths lens [n]): the cache keeps each row's bonus and accepted
         drafts (the first accepted[r] of drafts [n, >= max accepted], which must sit in the cache's next slots),
         the new bonus waits for the next step, and the row emits drafts + bonus. kinds: per row, which
-        acceptance statistics the step counts towards (None: an AR step). -> {id: emitted tokens}"""
+        acceptance statistics the step counts towards (None: an AR step; a row without drafts or capped at 0
+        counts as one). -> {id: emitted tokens}"""
         self.cache.lens[:n] = lens + accepted + 1
         self.state.bonus[:n] = new_bonus
         self.state.ndrafts[:n] = 0
         acc = accepted.tolist()
+        if kinds is not None and caps is not None:
+            kinds = [k if c else None for k, c in zip(kinds, caps.tolist())]
         if kinds is not None:
-            self.last_stats.accepted = acc
-            for kind in set(kinds) - {None}:
-                self.acceptance.record(kind, Bv, [a for a, k in zip(acc, kinds) if k == kind])
+            self.last_stats.accepted = [a for a, k in zip(acc, kinds) if k is not None]
+            for r, kind in enumerate(kinds):  # a request's own acceptance, against the model's (drafter kinds)
+                if kind in AcceptanceModel.KINDS:
+                    cap = Bv if caps is None else min(Bv, int(caps[r]))
+                    self.slots[r].acceptance.observe(acc[r], self.acceptance.expected_accepted(kind, cap))
+            full = [k if caps is None or c >= Bv else None for k, c in zip(kinds, caps.tolist())]  # uncapped rows
+            for kind in set(full) - {None}:
+                self.acceptance.record(kind, Bv, [a for a, k in zip(acc, full) if k == kind])
         drafts, bonus = drafts.tolist(), new_bonus.tolist()
-        out, mode = {}, self.last_stats.mode
+        out = {}
         for r in range(n):
+            mode = self.last_stats.mode if kinds is not None and kinds[r] is not None else Mode.AR.value
             self.slots[r].forwards += 1
             self.slots[r].modes[mode] = self.slots[r].modes.get(mode, 0) + 1
-            if kinds is not None:
+            if mode != Mode.AR:
                 self.slots[r].accepted.append(acc[r])
             out[self.slots[r].id] = self._emit(r, drafts[r][: acc[r]] + [bonus[r]])
         return out
 
-    def _verify_tree(self, n: int, Bv: int, depth, parent, nodes, kinds) -> dict[int, list[int]]:
+    def _verify_tree(self, n: int, Bv: int, depth, parent, nodes, kinds, caps) -> dict[int, list[int]]:
         """Rows 0..n-1: the target verifies a token tree per row (the bonus, then nodes [n, N] at depth [n, N]
         <= Bv with parent [n, N], sorted by depth: a drafter tree from `draft_tree`, or lookup chains merged by
         `chain_trie`) in one forward. Greedy rows accept the deepest node whose path equals the target's own
         greedy continuation; sampled rows walk the tree by `tree_sample`. Node i + 1's keys/values go to cache
         slot lens + 1 + i; the accepted path's are then moved to lens + 1 .. lens + a, where a chain's would be.
-        kinds: per row, the acceptance statistics the step counts towards."""
+        kinds: per row, the acceptance statistics the step counts towards; caps [n]: the deepest node a row may
+        accept (its tree is cut below: the nodes sorted by depth, a prefix of them)."""
         dev = self.target.device
         lens = self.cache.lens[:n].clone()
         N = depth.shape[1]
@@ -427,20 +451,21 @@ class Engine:
         logits = self.timed("target", lambda: self.target.logits(
             self.target(tokens, pos, view, mask=mask, span=span, slots=slots)), n, N + 1)
         top = argmax_tokens(logits)  # [n, N + 1]
-        accepted, node = tree_walk(nodes == top.gather(1, parent), anc, depth)
+        accepted, node = tree_walk((nodes == top.gather(1, parent)) & (depth <= caps[:, None]), anc, depth)
         new_bonus = top.gather(1, node[:, None]).squeeze(1)
         for r in range(n):
             params = self.slots[r].params
             if not params.greedy:
-                p = filtered_logits(logits[r], params).softmax(-1)  # [N + 1, V]
-                node[r], new_bonus[r] = tree_sample(p, tokens[r], parent[r], self.slots[r].generator)
+                k = int((depth[r] <= caps[r]).sum())  # the nodes within the cap
+                p = filtered_logits(logits[r, : k + 1], params).softmax(-1)  # [k + 1, V]
+                node[r], new_bonus[r] = tree_sample(p, tokens[r, : k + 1], parent[r, :k], self.slots[r].generator)
                 accepted[r] = 0 if node[r] == 0 else depth[r, node[r] - 1]
         src = path_slots(anc, node, accepted, Bv)  # [n, Bv]: the accepted nodes' slots, lens + 1.. after them
         dst = torch.arange(1, Bv + 1, device=dev).expand(n, Bv)
         rows = torch.arange(n, device=dev)[:, None]
         for kv in (*view.k, *view.v):  # [n, Hkv, S, D]: the path's keys/values where a chain's would be
             kv[rows, :, lens[:, None] + dst] = kv[rows, :, lens[:, None] + src]
-        return self._commit(n, lens, accepted, new_bonus, tokens.gather(1, src.clamp(max=N)), kinds, Bv)
+        return self._commit(n, lens, accepted, new_bonus, tokens.gather(1, src.clamp(max=N)), kinds, Bv, caps)
 
     def target_logits(self, tokens, pos, cache) -> torch.Tensor:
         """[n, T] tokens -> [n, T, V] logits (the LM head is timed with the forward: at batch 1 it is ~15%)."""
@@ -451,16 +476,18 @@ class Engine:
         h, hb = parallel_forward(self.target, self.drafter, tokens, pos, cache, anchors)
         return self.target.logits(h), hb
 
-    def _accept(self, logits: torch.Tensor, drafts: torch.Tensor, rows: torch.Tensor):
-        """logits [n, T, V] at the verify tokens, drafts [n, Bv] -> accepted drafts [n], next bonus [n]: greedy
-        rows by `greedy_accept`, sampled rows by `speculative_sample` with their own filters and generator."""
-        accepted, bonus = greedy_accept(logits, drafts)
+    def _accept(self, logits: torch.Tensor, drafts: torch.Tensor, rows: torch.Tensor, caps: torch.Tensor):
+        """logits [n, T, V] at the verify tokens, drafts [n, Bv] -> accepted drafts [n] (at most caps [n]), next
+        bonus [n]: greedy rows by `greedy_accept`, sampled rows by `speculative_sample` with their own filters
+        and generator, over their first caps[i] drafts."""
+        accepted, bonus = greedy_accept(logits, drafts, caps)
         for i, row in enumerate(rows.tolist()):
             req = self.slots[row]
             if not req.params.greedy:
-                p = filtered_logits(logits[i], req.params).softmax(-1)  # [T, V]
-                q = self.state.q[row, :drafts.shape[1]] if drafts.shape[1] else None  # (AR steps: no drafts)
-                a, b = speculative_sample(p, drafts[i], q, req.generator)
+                c = min(drafts.shape[1], int(caps[i]))
+                p = filtered_logits(logits[i, : c + 1], req.params).softmax(-1)  # [c + 1, V]
+                q = self.state.q[row, :c] if c else None  # (AR steps, capped rows: no drafts)
+                a, b = speculative_sample(p, drafts[i, :c], q, req.generator)
                 accepted[i], bonus[i] = a, b
         return accepted, bonus
 

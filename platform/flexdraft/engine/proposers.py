@@ -120,10 +120,14 @@ class LookupProposer:
         return any(kind for _, kind in self.proposals)
 
     def _chains(self, req: Request, max_n: int) -> Chains:
-        chain, size = req.index.propose(self.B, max_n)
+        cap = req.params.max_draft_tokens
+        if cap == 0:  # the request asked for no speculation
+            return [], None
+        k = self.B if cap is None else min(cap, self.B)
+        chain, size = req.index.propose(k, max_n)
         chains, kind = ([chain], f"lookup{size}") if size else ([], None)
         if self.store is not None:
-            extra, size = self.store.propose(req.index.tokens, self.B)
+            extra, size = self.store.propose(req.index.tokens, k)
             if extra and extra != chain[:len(extra)]:  # a prefix of the prompt's chain adds nothing
                 chains.append(extra)
                 kind = kind or f"store{size}"

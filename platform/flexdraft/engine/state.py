@@ -11,6 +11,35 @@ from flexdraft.speculative.sampling import SamplingParams
 
 
 @dataclass
+class RowAcceptance:
+    """One request's drafter acceptance against the engine's acceptance model: `weight` = (accepted + PRIOR) /
+    (expected + PRIOR) over its verified blocks, older blocks fading by DECAY each, so the planner weighs a
+    request whose drafts keep failing (a long document, sampling at a high temperature) at what it accepts.
+    Below OFF its rows verify no drafts (AR for that row while the others speculate), except every PROBE-th
+    step, which drafts to notice when they pay again."""
+    PRIOR, DECAY, OFF, PROBE = 2.0, 0.85, 0.3, 8
+
+    accepted: float = 0.0  # (decayed) accepted drafts
+    expected: float = 0.0  # (decayed) what the acceptance model expected of the same blocks
+    steps_off: int = 0
+
+    @property
+    def weight(self) -> float:
+        return min((self.accepted + self.PRIOR) / (self.expected + self.PRIOR), 2.0)
+
+    def observe(self, accepted: int, expected: float) -> None:
+        self.accepted = self.DECAY * self.accepted + accepted
+        self.expected = self.DECAY * self.expected + expected
+
+    def drafts_now(self) -> bool:
+        """Whether this step drafts for the request (counts the steps it does not)."""
+        if self.weight >= self.OFF:
+            return True
+        self.steps_off += 1
+        return self.steps_off % self.PROBE == 0
+
+
+@dataclass
 class Request:
     id: int
     prompt: list[int]
@@ -22,6 +51,7 @@ class Request:
     modes: dict = field(default_factory=dict)  # those forwards by step mode
     finish_reason: str | None = None
     index: NgramIndex | None = None  # its prompt and tokens, for lookup drafts
+    acceptance: RowAcceptance = field(default_factory=RowAcceptance)
 
 
 @dataclass

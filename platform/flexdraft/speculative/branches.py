@@ -94,22 +94,35 @@ class CostModel:
     "parallel": verify + branches) as a function of the rows it carries and the tokens per row, on this device
     (not of total tokens: a 16-row verify of 2 tokens each costs other than 4 rows x 9 tokens).
 
-    `Engine.profile` measures each kind over a grid of row counts x tokens per row; between grid points the
-    time is linear in tokens per row along a measured row count, then linear in rows between the two nearest
-    row counts (beyond the largest: proportional to rows). The profile fixes the *relative* costs the policy
-    compares. Timed forwards while serving only move one common `scale` (how loaded the machine is now), never
-    one kind alone: a burst of noise during a few AR steps must not make the policy lock onto a mode it then
-    never re-measures against. Without a profile, timed forwards fill the grid directly."""
+    The prior is a profile (`Engine.profile`, or a cached one) over a grid of row counts x tokens per row;
+    between grid points the time is linear in tokens per row along a measured row count, then linear in rows
+    between the two nearest row counts (beyond the largest: proportional to rows). Without a profile the first
+    timed forward of each shape becomes its grid point.
+
+    Every timed forward then teaches the ratio of its shape's cost to that prior (`record`): a shape seen lately
+    is priced at its own ratio (what it costs now: a tree of 8 nodes at 4 rows may cost 1.5x what the grid says,
+    and every shape 2x while another process takes a core), a shape not seen at `load`, the lowest ratio among
+    the shapes seen lately: optimistic, so it gets tried and measured (a mispriced shape, or the machine's
+    load, cannot keep a mode from ever being re-tried). A shape's own ratio fades into `load` as forwards of
+    other shapes pass, over `HALF_LIFE` forwards times its ratio to the load: a shape priced out is re-tried
+    and re-measured, so a mode that becomes worth it again is noticed, and a shape k times dearer than the
+    rest is re-tried k times more rarely (exploring costs about the same small share of time, whatever k)."""
 
     KINDS = ("target", "draft", "parallel")
+    SHAPE_RATE = 0.3  # per forward of that shape: a change of cost is 90% learned within ~7 of its forwards
+    HALF_LIFE = 48  # forwards of other shapes after which half a shape's own ratio gives way to the load (x ratio)
+    RECENT = 2 * HALF_LIFE  # shapes seen within this many forwards set the load
+    STEP_CLIP = (0.5, 2.0)  # one forward counts as at most 2x (at least 0.5x) the current ratio: a noise burst
+    # moves an estimate by at most 1 + rate, a real change of 10x is learned within ~10 forwards
 
     def __init__(self):
         self.points: dict[str, dict[tuple[int, int], float]] = {k: {} for k in self.KINDS}  # (rows, tokens) -> s
         self.profiled = False
-        self.scale = 1.0
-        # mode -> seconds per step outside the forwards (acceptance, sampling, branch choice, bookkeeping). They
-        # differ: at batch 1 on the 2-core CPU 0.3 ms for AR, 1.2 ms sequential, 3 ms parallel (top 2), and a
-        # shared estimate made AR look ~2.5 ms dearer than it is next to ~20 ms forwards
+        self.load = 1.0
+        self.ratios: dict[tuple[str, int, int], tuple[float, int]] = {}  # shape -> (its ratio, forward last seen)
+        self.forwards = 0  # forwards recorded
+        # mode -> seconds per step outside the forwards (acceptance, sampling, branch choice, bookkeeping): they
+        # differ by mode (AR's are a fraction of a parallel step's), so each mode learns its own
         self.step_overhead: dict[str, float] = {}
 
     def record_step(self, mode: str, seconds: float, forward_seconds: float) -> None:
@@ -123,7 +136,7 @@ class CostModel:
 
     def set_profile(self, points: dict[str, dict[tuple[int, int], float]]) -> None:
         self.points = {k: dict(points.get(k, {})) for k in self.KINDS}
-        self.profiled, self.scale = True, 1.0
+        self.profiled, self.load, self.ratios = True, 1.0, {}
 
     def save_profile(self, path: Path) -> None:
         """The measured points as JSON: {kind: {"<rows>x<tokens per row>": seconds}}."""
@@ -138,18 +151,33 @@ class CostModel:
 
     def record(self, kind: str, rows: int, tokens: int, seconds: float) -> None:
         """A timed forward of `rows` rows x `tokens` tokens each."""
-        if self.profiled:
-            self.scale = 0.95 * self.scale + 0.05 * seconds / max(self._interpolate(kind, rows, tokens), 1e-9)
+        self.forwards += 1
+        if not self.profiled and (rows, tokens) not in self.points[kind]:
+            self.points[kind][(rows, tokens)] = seconds  # the grid's first point of this shape
             return
-        pts = self.points[kind]
-        old = pts.get((rows, tokens))
-        pts[(rows, tokens)] = seconds if old is None else 0.8 * old + 0.2 * seconds
+        ratio = seconds / max(self._interpolate(kind, rows, tokens), 1e-9)
+        shape = (kind, rows, tokens)
+        own = self._ratio(shape)
+        self.ratios[shape] = (own + self.SHAPE_RATE * (self._clip(ratio, own) - own), self.forwards)
+        self.load = min(r for r, seen in self.ratios.values() if self.forwards - seen <= self.RECENT)
+
+    def _clip(self, ratio: float, estimate: float) -> float:
+        return min(max(ratio, self.STEP_CLIP[0] * estimate), self.STEP_CLIP[1] * estimate)
+
+    def _ratio(self, shape: tuple[str, int, int]) -> float:
+        """The shape's ratio to the prior: its own, faded into the load by the forwards since it was seen."""
+        if shape not in self.ratios:
+            return self.load
+        own, seen = self.ratios[shape]
+        half_life = self.HALF_LIFE * max(own / self.load, 1.0)  # a dearer shape is re-tried more rarely
+        return self.load + (own - self.load) * 0.5 ** ((self.forwards - seen) / half_life)
 
     def known(self, kind: str) -> bool:
         return bool(self.points[kind])
 
     def seconds(self, kind: str, rows: int, tokens: int) -> float:
-        return self.scale * self._interpolate(kind, rows, tokens)
+        """The estimate: the prior x the shape's ratio (`_ratio`)."""
+        return self._interpolate(kind, rows, tokens) * self._ratio((kind, rows, tokens))
 
     def _interpolate(self, kind: str, rows: int, tokens: int) -> float:
         counts = sorted({r for r, _ in self.points[kind]})

@@ -12,6 +12,7 @@ from flexdraft.speculative.trees import trie_nodes
 # (docs/decoding.md). Against a speculative plan (a multi-token verify too) the bias cancels: no margin.
 LOOKUP_MARGIN = 1.5
 REPLAN_STEPS = 16  # a cached plan is re-priced after this many steps (costs and acceptance drift slowly)
+MISPRICED = 0.3  # ... or at once when its step's forwards took 30% more or less than the plan was priced at
 
 
 class Planner:
@@ -26,7 +27,9 @@ class Planner:
         self.cost_model = cost_model
         self.acceptance = AcceptanceModel(max(block, 1), acceptance_prior, tree_nodes=tree_nodes)
         self.costs = CostModel()
-        self._plans: dict[tuple[int, int], tuple[Plan, float, int]] = {}  # (rows, fresh) -> plan, tokens/s, step
+        # (rows, fresh, speculating share in eighths) -> plan, tokens/s, step priced, its forwards' seconds
+        self._plans: dict[tuple[int, int, int], tuple[Plan, float, int, float]] = {}
+        self._last: tuple[int, int, int] | None = None  # the key of the last plan given
 
     def forget_plans(self) -> None:
         """Re-price every plan at its next use (after a knob changed)."""
@@ -41,30 +44,56 @@ class Planner:
         """The drafts per row a plan of at most `block` drafts weighs."""
         return sorted({1, 2, 4, block} & set(range(1, block + 1)))
 
-    def adaptive(self, n: int, fresh: int, step: int, band) -> tuple[Plan, float | None]:
+    def adaptive(self, n: int, fresh: int, step: int, band, share: float = 1.0) -> tuple[Plan, float | None]:
         """The plan for n rows, `fresh` of them without drafts (fresh, pruned, after AR or lookup), at engine step
-        `step`, within the rows' band -> (plan, its expected tokens/s; None when the rule chose it)."""
+        `step`, within the rows' band -> (plan, its expected tokens/s; None when the rule chose it). share: the
+        rows' speculating weight against the acceptance model, averaged (`RowAcceptance.weight`; 1 = as the
+        model expects, 0 = no row speculates)."""
         rule = "parallel" if n <= self.switch_batch else "sequential"
         if not self.ready():
             return Plan(rule, band.block or self.B), None
-        key = (n, fresh)  # (the band is a function of n)
+        key = (n, fresh, round(share * 8))  # (the band is a function of n)
         if key not in self._plans or step - self._plans[key][2] >= REPLAN_STEPS:
-            self._plans[key] = (*self.best(n, fresh, rule, band), step)
-        plan, rate, _ = self._plans[key]
+            plan, rate = self.best(n, fresh, rule, band, share)
+            self._plans[key] = (plan, rate, step, self.forward_seconds(plan, n, fresh, band))
+        plan, rate, _, _ = self._plans[key]
+        self._last = key
         return plan, rate
 
-    def best(self, n: int, fresh: int, rule: str, band) -> tuple[Plan, float]:
-        """-> the best plan for n rows, `fresh` of them without drafts, and its expected tokens per second."""
-        B, acc, costs = band.block or self.B, self.acceptance, self.costs
+    def observe(self, plan: Plan, forward_seconds: float) -> None:
+        """The forwards of a step that carried out the last `adaptive` plan took forward_seconds: a plan priced
+        30% off (`MISPRICED`) is re-priced at its next use, with the cost model that has learned from it."""
+        entry = self._plans.get(self._last)
+        if entry is not None and entry[0] == plan and abs(forward_seconds / max(entry[3], 1e-9) - 1) > MISPRICED:
+            del self._plans[self._last]
+
+    def forward_seconds(self, plan: Plan, n: int, fresh: int, band) -> float:
+        """What the plan's forwards cost by the cost model (drafter passes for rows without drafts included)."""
+        costs, Bv = self.costs, plan.block
+        if plan.mode == "ar":
+            return costs.seconds("target", n, 1)
+        if plan.mode == "tree":
+            return costs.seconds("target", n, band.tree_nodes + 1) + costs.seconds("draft", n, Bv + 1)
+        if plan.mode == "parallel":
+            first = costs.seconds("draft", fresh, Bv + 1) if fresh else 0.0
+            return first + costs.seconds("parallel", n, (Bv + 1) * (1 + plan.branches))
+        return costs.seconds("target", n, Bv + 1) + costs.seconds("draft", n, Bv + 1)
+
+    def best(self, n: int, fresh: int, rule: str, band, share: float = 1.0) -> tuple[Plan, float]:
+        """-> the best plan for n rows, `fresh` of them without drafts, and its expected tokens per second; each
+        row's accepted drafts are the acceptance model's times `share` (see `adaptive`)."""
+        B, costs = band.block or self.B, self.costs
+        acc = self.acceptance
+        E = lambda kind, b: share * acc.expected_accepted(kind, b)  # noqa: E731
         best, best_rate = Plan("ar"), n / (costs.seconds("target", n, 1) + costs.overhead("ar"))
         for Bv in self.block_sizes(B):
-            tokens = n * (1 + acc.expected_accepted("sequential", Bv))
+            tokens = n * (1 + E("sequential", Bv))
             rate = tokens / (costs.seconds("target", n, Bv + 1) + costs.seconds("draft", n, Bv + 1)
                              + costs.overhead("sequential"))
             if rate > best_rate:
                 best, best_rate = Plan("sequential", Bv), rate
         if self.trees and band.tree_nodes:
-            rate = n * (1 + acc.expected_accepted("tree", B)) / (
+            rate = n * (1 + E("tree", B)) / (
                 costs.seconds("target", n, band.tree_nodes + 1) + costs.seconds("draft", n, B + 1)
                 + costs.overhead("tree"))
             if rate > best_rate:
@@ -72,8 +101,8 @@ class Planner:
         for Bv in (self.block_sizes(B) if rule == "parallel" else ()):
             p_len = acc.length_distribution("parallel", Bv).sort(descending=True).values
             # rows without drafts get a sequential drafter pass first (bonus-known drafts) and pay for it
-            tokens = ((n - fresh) * (1 + acc.expected_accepted("parallel", Bv))
-                      + fresh * (1 + acc.expected_accepted("sequential", Bv)))
+            tokens = ((n - fresh) * (1 + E("parallel", Bv))
+                      + fresh * (1 + E("sequential", Bv)))
             first = costs.seconds("draft", fresh, Bv + 1) if fresh else 0.0
             for m in sorted({1, 2, 3, Bv + 1} & set(range(1, Bv + 2))):
                 miss = max(0.0, 1 - float(p_len[:m].sum()))  # a pruned branch: a drafter pass next step

@@ -21,6 +21,7 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
     seed: int | None = None
+    max_draft_tokens: int | None = None  # at most this many drafts verified per step (0: no speculation; None: no cap)
 
     def __post_init__(self):
         def number(name, value, integer=False):
@@ -40,6 +41,10 @@ class SamplingParams:
             raise FlexDraftError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise FlexDraftError(f"top_k must be >= 0, got {self.top_k}")
+        if self.max_draft_tokens is not None:
+            number("max_draft_tokens", self.max_draft_tokens, integer=True)
+            if self.max_draft_tokens < 0:
+                raise FlexDraftError(f"max_draft_tokens must be >= 0 (0: no speculation), got {self.max_draft_tokens}")
         if self.seed is not None:
             number("seed", self.seed, integer=True)
             if not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:

@@ -8,13 +8,17 @@ import torch
 from flexdraft.speculative.sampling import argmax_tokens, draw
 
 
-def greedy_accept(logits: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def greedy_accept(logits: torch.Tensor, drafts: torch.Tensor,
+                  caps: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [n, Bv + 1, V] at the verify tokens [bonus, d_1..d_Bv], drafts [n, Bv] -> (accepted [n], bonus [n]):
-    accept while d_j is the target's argmax; the bonus is the argmax after the last accepted draft."""
+    accept while d_j is the target's argmax (at most caps [n] drafts per row); the bonus is the argmax after the
+    last accepted draft."""
     n, Bv = drafts.shape
     top = argmax_tokens(logits)  # [n, Bv + 1]
     accepted = ((drafts == top[:, :Bv]).long().cumprod(-1).sum(-1) if Bv
                 else torch.zeros(n, dtype=torch.long, device=logits.device))
+    if caps is not None:
+        accepted = torch.minimum(accepted, caps)
     return accepted, top.gather(1, accepted[:, None]).squeeze(1)
 
 

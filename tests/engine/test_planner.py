@@ -1,0 +1,159 @@
+"""The adaptive planner learns online: forward costs from every timed step (the start-up profile only its prior),
+acceptance per request (a request whose drafts fail takes AR steps while the others speculate), and a request
+may switch speculation off or cap its drafts. Whatever it learns, greedy output stays AR greedy's."""
+import itertools
+
+import pytest
+
+from conftest import ragged_prompts
+from engine_fixtures import OracleProposer, drafters, tiny  # noqa: F401 (fixtures)
+from flexdraft.engine.ar import generate
+from flexdraft.engine.config import EngineConfig
+from flexdraft.engine.engine import Engine
+from flexdraft.speculative.branches import CostModel
+from flexdraft.speculative.sampling import SamplingParams
+
+
+def profiled(true) -> CostModel:
+    costs = CostModel()
+    costs.set_profile({kind: {(n, t): true(kind, n, t) for n, t in itertools.product((1, 2, 4, 8), (1, 2, 3, 5, 9))}
+                       for kind in CostModel.KINDS})
+    return costs
+
+
+def test_cost_model_learns_load_and_a_mispriced_shape_and_forgets_it_unseen():
+    """A machine twice as busy as the profile: after 25 forwards of one shape every shape is priced ~2x (the
+    load). A shape the profile prices at a third of its cost is learned within 10 of its forwards beside the
+    others. Left unseen (its mode priced out), its own price fades into the load's (the slower the dearer it
+    was), so the planner re-tries it;
+    one noisy forward moves an estimate by about 30% at most."""
+    true = lambda kind, n, t: 0.01 + 0.001 * n * t  # noqa: E731
+    costs = profiled(true)
+    ar, tree = ("target", 4, 1), ("target", 4, 9)
+    for _ in range(25):
+        costs.record(*ar, 2 * true(*ar))
+    for kind, n, t in (ar, tree, ("target", 8, 5), ("draft", 2, 3), ("parallel", 1, 9)):
+        assert costs.seconds(kind, n, t) == pytest.approx(2 * true(kind, n, t), rel=0.1), (kind, n, t)
+
+    for i in range(10):
+        costs.record(*tree, 2 * 3 * true(*tree))
+        costs.record(*ar, 2 * true(*ar))
+    assert costs.seconds(*tree) == pytest.approx(6 * true(*tree), rel=0.1)
+    assert costs.seconds(*ar) == pytest.approx(2 * true(*ar), rel=0.1)
+
+    for _ in range(3 * 3 * CostModel.HALF_LIFE):  # the tree priced out (3 of its half-lives): AR steps only
+        costs.record(*ar, 2 * true(*ar))
+    assert costs.seconds(*tree) < 2 * 1.5 * true(*tree)  # most of the learned 3x forgotten
+    assert costs.seconds("target", 8, 5) == pytest.approx(2 * true("target", 8, 5), rel=0.1)
+
+    before = costs.seconds(*ar)
+    costs.record(*ar, 100 * before)  # a burst
+    assert costs.seconds(*ar) < 1.35 * before
+
+
+class FakeClock:
+    """Time that moves only when a forward runs: by cost(kind, rows, tokens per row)."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def on_fake_clock(engine: Engine, cost) -> FakeClock:
+    """Forwards of `engine` advance a fake clock by cost(kind, rows, tokens per row); the engine times with it."""
+    clock = engine.clock = FakeClock()
+    target_logits, draft = engine.target_logits, engine.proposer.forward
+
+    def timed_target(tokens, pos, cache):
+        clock.now += cost("target", *tokens.shape)
+        return target_logits(tokens, pos, cache)
+
+    def timed_draft(rows, Bv):
+        clock.now += cost("draft", rows.numel(), Bv + 1)
+        return draft(rows, Bv)
+
+    engine.target_logits, engine.proposer.forward = timed_target, timed_draft
+    return clock
+
+
+def test_learned_costs_follow_an_injected_change_and_the_planner_returns_when_it_pays(tiny, drafters):
+    """On a fake clock, with drafts that are always right: verifying drafts cheap -> sequential steps; verify
+    forwards 5x dearer from step 60 (AR then pays) -> AR steps within 25 steps (the profile still says cheap),
+    over 90% of them; cheap again from step 200 -> speculative steps again within 200 steps (the learned price
+    fades, the planner re-tries, measures, goes back). Greedy outputs equal AR greedy throughout."""
+    verify = {"extra": 0.001}
+    cost = lambda kind, n, T: 0.002 * n if kind == "draft" else 0.01 * n + (verify["extra"] * n if T > 1 else 0)  # noqa: E731
+    engine = Engine(tiny, drafters["trained"], EngineConfig(mode="adaptive", switch_batch=0, tree_nodes=0, lookup=0,
+                                                            max_batch=2, max_len=128))
+    engine.profile(rounds=1, timer=lambda kind, n, T, m: cost(kind, n, T))
+    prompts = ragged_prompts(40, seed=5)
+    params = SamplingParams(max_new_tokens=24)
+    ref = {tuple(p): g.token_ids for p, g in zip(prompts, generate(tiny, prompts, params))}
+    engine.proposer = OracleProposer(engine, ref, wrong=False)
+    on_fake_clock(engine, cost)
+    pending, ids, modes = list(prompts), {}, []
+    while len(modes) < 450:
+        while len(engine.slots) + len(engine.waiting) < 2:
+            prompt = pending.pop(0)
+            pending.append(prompt)
+            ids[engine.add_request(prompt, params)] = prompt
+        verify["extra"] = 0.05 if 60 <= len(modes) < 200 else 0.001
+        engine.step()
+        if not engine.last_stats.admitted:
+            modes.append(engine.last_stats.mode)
+        for rid in [r for r in ids if r in engine.finished]:
+            assert engine.result(rid).token_ids == ref[tuple(ids.pop(rid))]
+    assert modes[:60].count("sequential") > 50
+    switched = next(i for i in range(60, 200) if modes[i] == "ar")
+    assert switched - 60 <= 25 and modes[switched + 5:200].count("ar") > 0.9 * len(modes[switched + 5:200])
+    back = next(i for i in range(200, 449) if modes[i] == "sequential" and modes[i + 1] == "sequential")
+    assert back - 200 <= 200, back
+
+
+def test_speculation_off_for_one_request_while_its_neighbours_speculate(tiny, drafters):
+    """A request with max_draft_tokens=0 takes AR steps only (its share of modes is all AR, no accepted
+    lengths) in the same batch whose other rows speculate; one capped at 1 never accepts more than one draft;
+    all outputs equal AR greedy."""
+    prompts = ragged_prompts(4, seed=3)
+    params = [SamplingParams(max_new_tokens=30, max_draft_tokens=c) for c in (0, None, 1, None)]
+    ref = [g.token_ids for g in generate(tiny, prompts, SamplingParams(max_new_tokens=30))]
+    engine = Engine(tiny, drafters["trained"], EngineConfig(mode="sequential", max_batch=4, max_len=96))
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    while engine.has_work():
+        engine.step()
+    results = [engine.result(i) for i in ids]
+    assert [g.token_ids for g in results] == ref
+    assert results[0].extra["mode_share"] == {"ar": 1.0} and results[0].extra["accepted_lengths"] == []
+    assert results[1].extra["mode_share"] == {"sequential": 1.0} and sum(results[1].extra["accepted_lengths"]) > 0
+    assert max(results[2].extra["accepted_lengths"]) == 1
+
+
+def test_a_request_whose_drafts_fail_is_planned_ar_while_the_others_speculate(tiny, drafters):
+    """Drafts always right for three requests and always wrong for the fourth: the fourth's own acceptance
+    falls below `RowAcceptance.OFF` within a few steps, after which its row verifies no drafts but on probe steps
+    (its first few, then 1 in PROBE), while the others keep speculating; outputs equal AR greedy."""
+    prompts = ragged_prompts(4, seed=9)
+    params = SamplingParams(max_new_tokens=40)
+    ref = {tuple(p): g.token_ids for p, g in zip(prompts, generate(tiny, prompts, params))}
+
+    class OneWrong(OracleProposer):
+        def replace(self, row, ref_tokens, V, K):
+            self.wrong = self.slots_now[row].prompt == prompts[3]
+            super().replace(row, ref_tokens, V, K)
+
+        def write(self, rows, logits, slots, confidences, from_branch=False):
+            self.slots_now = slots
+            super().write(rows, logits, slots, confidences, from_branch)
+
+    engine = Engine(tiny, drafters["trained"], EngineConfig(mode="sequential", max_batch=4, max_len=96))
+    engine.proposer = OneWrong(engine, ref, wrong=False)
+    ids = [engine.add_request(p, params) for p in prompts]
+    while engine.has_work():
+        engine.step()
+    results = [engine.result(i) for i in ids]
+    assert [g.token_ids for g in results] == [ref[tuple(p)] for p in prompts]
+    bad = results[3].extra
+    assert bad["mode_share"].get("ar", 0) > 0.7 and len(bad["accepted_lengths"]) <= 6 + bad["forwards"] // 8
+    assert all(g.extra["mode_share"] == {"sequential": 1.0} for g in results[:3])
