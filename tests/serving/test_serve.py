@@ -130,6 +130,9 @@ def test_openai_client_outputs_equal_ar_greedy_streamed_or_not(app):
         assert choice.token_ids == ref and choice.text == tok.decode(ref, skip_special_tokens=True)
         assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == len(ref)
         assert out.model_extra["flexdraft"]["mean_accepted_length"] >= 1
+    off = client.completions.create(model="tiny", prompt=text, max_tokens=12, temperature=0,  # per request: no drafts
+                                    extra_body={"return_token_ids": True, "flexdraft": {"speculation": False}})
+    assert off.choices[0].token_ids == ref and off.model_extra["flexdraft"]["mode_share"] == {"ar": 1.0}
     chunks = list(client.completions.create(model="tiny", prompt=text, max_tokens=12, temperature=0, stream=True,
                                             stream_options={"include_usage": True}))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == tok.decode(ref, skip_special_tokens=True)
@@ -236,6 +239,8 @@ FIELDS = {  # OpenAI's fields with in-range, out-of-range and wrong-typed values
     "n": st.sampled_from([1, 2]) | ANY,
     "model": st.sampled_from(["tiny", "gpt-4"]) | ANY,
     "return_token_ids": st.booleans() | ANY,
+    "flexdraft": st.fixed_dictionaries({}, optional={"speculation": st.booleans() | ANY,
+                                                     "num_speculative_tokens": st.integers(-1, 70) | ANY}) | ANY,
 }
 PROMPT = st.text(max_size=40) | st.lists(st.integers(-3, 50_000), max_size=10) | ANY
 MESSAGES = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "robot"]),

@@ -326,6 +326,9 @@ def test_a_policy_in_user_config_owns_its_knobs_and_live_changes_leave_them(part
     ({"messages": [{"role": "user"}]}, True, 400, "messages"),
     ({"prompt": {"nested": ["deep"]}}, False, 400, "prompt"),
     ({}, False, 400, "prompt"),
+    ({"prompt": "hi", "flexdraft": {"num_speculative_tokens": -1}}, False, 400, "flexdraft"),
+    ({"prompt": "hi", "flexdraft": {"speculate": False}}, False, 400, "flexdraft"),
+    ({"prompt": "hi", "flexdraft": {"speculation": "no"}}, False, 400, "flexdraft"),
 ])
 @pytest.mark.real_model
 def test_bad_requests_get_an_openai_error_naming_the_field(real_lm, body, chat, status, param):
@@ -349,9 +352,12 @@ def test_requests_parse_to_the_prompt_ids_the_engine_decodes(real_lm):
                         "m", tok, 512, 16)
     assert req.prompt_ids == chat_ids(tok, [{"role": "user", "content": "Hi"}]) and req.stream and req.include_usage
     assert req.params.max_new_tokens == 16 and req.params.temperature == 1.0  # OpenAI's defaults: server's, 1
+    caps = [parse_request({"prompt": "hi", **extra}, False, "m", tok, 512, 16).params.max_draft_tokens for extra in
+            ({}, {"flexdraft": {"speculation": False}}, {"flexdraft": {"num_speculative_tokens": 2}},
+             {"flexdraft": {"speculation": False, "num_speculative_tokens": 2}})]
+    assert caps == [None, 0, 2, 0]  # the flexdraft extension -> the engine's per-request draft cap
 
 
-@pytest.mark.real_model
 @pytest.mark.real_model
 def test_a_temperature_below_epsilon_decodes_greedily(real_lm):
     """temperature 1e-300 passes the schema; dividing logits by it would give inf/NaN, so it decodes greedily."""

@@ -34,7 +34,7 @@ from flexdraft.engine.ar import prefill
 from flexdraft.engine import profiling
 from flexdraft.engine.config import NO_DRAFTER, EngineConfig, Mode
 from flexdraft.engine.proposers import DrafterProposer, LookupProposer
-from flexdraft.engine.state import Request, RowState
+from flexdraft.engine.state import Request, RowState, draft_caps, speculating_share
 from flexdraft.engine.stats import IDLE, SpecDecodingStats, StepStats
 from flexdraft.models.transformer import Transformer
 from flexdraft.speculative.branches import AcceptanceModel, Plan, branch_anchors
@@ -198,7 +198,7 @@ class Engine:
         self._retire()
         n = len(self.slots)
         if n:
-            caps = self.caps(n)
+            caps = torch.tensor(draft_caps(self.slots[:n], self.B), dtype=torch.long, device=self.target.device)
             plan = self.plan(n, caps)
             stats.mode, stats.rows, stats.block = plan.mode, n, plan.block
             if plan.mode not in NO_DRAFTER:  # (lookup drafts: written by _verify, as a chain or a trie)
@@ -218,13 +218,6 @@ class Engine:
             self.planner.observe(plan, forwards)
         self.totals.observe(stats)
         return out
-
-    def caps(self, n: int) -> torch.Tensor:
-        """[n] the most drafts each row may have accepted this step: its request's `max_draft_tokens` (0: no
-        speculation), 0 while its own acceptance says drafting does not pay (`RowAcceptance`), else B."""
-        caps = [min(self.B, req.params.max_draft_tokens) if req.params.max_draft_tokens is not None
-                else self.B if req.acceptance.drafts_now() else 0 for req in self.slots[:n]]
-        return torch.tensor(caps, dtype=torch.long, device=self.target.device)
 
     def _parallel_may_follow(self, n: int) -> bool:
         """Whether a parallel step may come at n rows (its pruning weighs the drafts' confidences)."""
@@ -274,8 +267,7 @@ class Engine:
         if band.mode != Mode.ADAPTIVE:
             return Plan(band.mode, 0 if band.mode == Mode.AR else Bv)
         fresh = int((self.state.ndrafts[:n] == 0).sum())
-        share = 1.0 if caps is None else sum(
-            min(c, Bv) / Bv * req.acceptance.weight for c, req in zip(caps.tolist(), self.slots)) / n
+        share = 1.0 if caps is None else speculating_share(self.slots[:n], caps.tolist(), Bv)
         plan, rate = self.planner.adaptive(n, fresh, self.totals.num_steps, band, share)
         if band.lookup and rate is not None:  # against an AR step, a margin (see LOOKUP_MARGIN)
             rate_to_beat = rate * (LOOKUP_MARGIN if plan.mode == Mode.AR else 1.0)

@@ -54,6 +54,19 @@ class Request:
     acceptance: RowAcceptance = field(default_factory=RowAcceptance)
 
 
+def draft_caps(requests: list[Request], B: int) -> list[int]:
+    """The most drafts each request's row may have accepted this step: its `max_draft_tokens` (0: no
+    speculation), 0 while its own acceptance says drafting does not pay (`RowAcceptance`), else B."""
+    return [min(B, req.params.max_draft_tokens) if req.params.max_draft_tokens is not None
+            else B if req.acceptance.drafts_now() else 0 for req in requests]
+
+
+def speculating_share(requests: list[Request], caps: list[int], Bv: int) -> float:
+    """How much of the acceptance model's expected drafts the rows stand to accept, averaged: a row weighs its
+    cap's share of Bv times its request's own acceptance weight (the planner's `share`)."""
+    return sum(min(c, Bv) / Bv * req.acceptance.weight for c, req in zip(caps, requests)) / len(requests)
+
+
 @dataclass
 class RowState:
     """What each cache row holds beside its cached tokens (row r of every tensor = cache row r); `move` covers

@@ -103,13 +103,21 @@ def parse_request(body, chat: bool, served_model: str, tokenizer, max_tokens_lim
         params = SamplingParams(max_new_tokens=given or default_max_tokens,
                                 temperature=1.0 if model.temperature is None else float(model.temperature),
                                 top_p=1.0 if model.top_p is None else float(model.top_p),
-                                top_k=max(model.top_k or 0, 0), seed=model.seed)
+                                top_k=max(model.top_k or 0, 0), seed=model.seed,
+                                max_draft_tokens=_draft_cap(model.flexdraft))
     except FlexDraftError as e:  # (the schema's bounds are the engine's: this is a second line of defence)
         raise APIError(400, str(e)) from None
     stop = [model.stop] if isinstance(model.stop, str) else list(model.stop or [])
     return Request(chat, name, prompt_ids, params, model.stream,
                    bool(model.stream_options and model.stream_options.include_usage), stop, model.return_token_ids,
                    f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time()), given is not None)
+
+
+def _draft_cap(options) -> int | None:
+    """The request's `flexdraft` options -> SamplingParams.max_draft_tokens (0: no speculation; None: no cap)."""
+    if options is None:
+        return None
+    return 0 if not options.speculation else options.num_speculative_tokens
 
 
 def _completion_prompt(model: CompletionRequest, tokenizer) -> list[int]:

@@ -39,6 +39,14 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class SpeculationOptions(_Strict):
+    """FlexDraft extension, per request (`"flexdraft": {...}`; the OpenAI client's `extra_body`): what this
+    request's decoding may speculate. The output is the same either way; only its speed differs."""
+    speculation: bool = Field(True, description="false: this request takes AR steps only (its batch may speculate)")
+    num_speculative_tokens: Annotated[int, Field(ge=0, le=64)] | None = Field(
+        None, description="the most drafts verified per step for this request (0: none; default: the engine's)")
+
+
 class _Sampling(_Strict):
     """What completions and chat completions share."""
     model: Annotated[str, Field(max_length=256)] | None = None
@@ -52,6 +60,7 @@ class _Sampling(_Strict):
     stream_options: StreamOptions | None = None
     user: Annotated[str, Field(max_length=256)] | None = None
     return_token_ids: bool = Field(False, description="FlexDraft extension: the generated token ids per choice")
+    flexdraft: SpeculationOptions | None = None
     # OpenAI fields FlexDraft does not serve: refused unless at their no-op value (openai_api.UNSUPPORTED)
     n: int | None = None
     best_of: int | None = None
