@@ -37,6 +37,8 @@ class EngineConfig:
     rho: float = _knob(1.0, "parallel: keep the most probable branches until they cover this mass (1 = all)")
     calibrate: bool = True  # parallel: correct the taken branch with the now-known bonus
     cost_model: bool = True  # adaptive: per step, pick AR / sequential / tree / parallel and Bv by measured cost
+    online: bool = True  # adaptive: learn each step shape's cost and each request's acceptance while decoding (False:
+    # the start-up profile under one load factor, one acceptance model for every request: the planner before it learned)
     tree_nodes: int = _knob(8, "tree (and adaptive): drafts verified per row as a token tree (0 = no trees)")
     tree_width: int = 4  # a tree's depth-j nodes are among slot j's top tree_width drafts
     # adaptive weighs a lookup step every step (with the cost model), mode lookup takes one whenever a row has a match

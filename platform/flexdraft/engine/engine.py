@@ -90,7 +90,7 @@ class Engine:
         self.finished: dict[int, Request] = {}
         self._ids = itertools.count()
         self.planner = Planner(self.B, config.switch_batch, config.tree_nodes, self.trees, config.cost_model,
-                               acceptance_prior)
+                               acceptance_prior, config.online)
         self.acceptance, self.costs = self.planner.acceptance, self.planner.costs
         # the proposers (engine/proposers.py): the drafter's drafts, prompt lookup's (+ the store's)
         self.proposer = DrafterProposer(target, drafter, self.cache, self.state, self.trees, self.timed) \
@@ -198,7 +198,8 @@ class Engine:
         self._retire()
         n = len(self.slots)
         if n:
-            caps = torch.tensor(draft_caps(self.slots[:n], self.B), dtype=torch.long, device=self.target.device)
+            caps = torch.tensor(draft_caps(self.slots[:n], self.B, self.config.online), dtype=torch.long,
+                                device=self.target.device)
             plan = self.plan(n, caps)
             stats.mode, stats.rows, stats.block = plan.mode, n, plan.block
             if plan.mode not in NO_DRAFTER:  # (lookup drafts: written by _verify, as a chain or a trie)
@@ -267,7 +268,7 @@ class Engine:
         if band.mode != Mode.ADAPTIVE:
             return Plan(band.mode, 0 if band.mode == Mode.AR else Bv)
         fresh = int((self.state.ndrafts[:n] == 0).sum())
-        share = 1.0 if caps is None else speculating_share(self.slots[:n], caps.tolist(), Bv)
+        share = 1.0 if caps is None or not self.config.online else speculating_share(self.slots[:n], caps.tolist(), Bv)
         plan, rate = self.planner.adaptive(n, fresh, self.totals.num_steps, band, share)
         if band.lookup and rate is not None:  # against an AR step, a margin (see LOOKUP_MARGIN)
             rate_to_beat = rate * (LOOKUP_MARGIN if plan.mode == Mode.AR else 1.0)

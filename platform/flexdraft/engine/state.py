@@ -54,11 +54,11 @@ class Request:
     acceptance: RowAcceptance = field(default_factory=RowAcceptance)
 
 
-def draft_caps(requests: list[Request], B: int) -> list[int]:
+def draft_caps(requests: list[Request], B: int, online: bool = True) -> list[int]:
     """The most drafts each request's row may have accepted this step: its `max_draft_tokens` (0: no
-    speculation), 0 while its own acceptance says drafting does not pay (`RowAcceptance`), else B."""
+    speculation), 0 while its own acceptance says drafting does not pay (`RowAcceptance`; `online` only), else B."""
     return [min(B, req.params.max_draft_tokens) if req.params.max_draft_tokens is not None
-            else B if req.acceptance.drafts_now() else 0 for req in requests]
+            else B if not online or req.acceptance.drafts_now() else 0 for req in requests]
 
 
 def speculating_share(requests: list[Request], caps: list[int], Bv: int) -> float:

@@ -34,6 +34,9 @@ METHODS = {
                                "adaptive without lookup drafts: the drafter's modes only"),
     "adaptive-no-store": Method("engine", (("mode", "adaptive"),), "adaptive with prompt lookup only, no n-gram store",
                                 store=False),
+    "adaptive-static": Method("engine", (("mode", "adaptive"), ("online", False)),
+                              "adaptive planned from the start-up cost profile alone (one load factor, one acceptance "
+                              "model): what the planner did before it learned online"),
     "adaptive": Method("engine", (("mode", "adaptive"),),
                        "the product: AR / sequential / tree / parallel / lookup (prompt + store) per step by cost"),
 }

@@ -115,7 +115,10 @@ class CostModel:
     STEP_CLIP = (0.5, 2.0)  # one forward counts as at most 2x (at least 0.5x) the current ratio: a noise burst
     # moves an estimate by at most 1 + rate, a real change of 10x is learned within ~10 forwards
 
-    def __init__(self):
+    def __init__(self, online: bool = True):
+        """online False: timed forwards move one common load factor only (EWMA 0.05), never one shape: the
+        start-up profile decides the relative costs for good (the planner before it learned; for comparison)."""
+        self.online = online
         self.points: dict[str, dict[tuple[int, int], float]] = {k: {} for k in self.KINDS}  # (rows, tokens) -> s
         self.profiled = False
         self.load = 1.0
@@ -156,6 +159,9 @@ class CostModel:
             self.points[kind][(rows, tokens)] = seconds  # the grid's first point of this shape
             return
         ratio = seconds / max(self._interpolate(kind, rows, tokens), 1e-9)
+        if not self.online:
+            self.load = 0.95 * self.load + 0.05 * ratio
+            return
         shape = (kind, rows, tokens)
         own = self._ratio(shape)
         self.ratios[shape] = (own + self.SHAPE_RATE * (self._clip(ratio, own) - own), self.forwards)

@@ -22,11 +22,11 @@ class Planner:
     (`block`) and sets the tree's nodes (0: no tree steps)."""
 
     def __init__(self, block: int, switch_batch: int, tree_nodes: int, trees: bool, cost_model: bool,
-                 acceptance_prior: dict | None = None):
+                 acceptance_prior: dict | None = None, online: bool = True):
         self.B, self.switch_batch, self.tree_nodes, self.trees = block, switch_batch, tree_nodes, trees
         self.cost_model = cost_model
         self.acceptance = AcceptanceModel(max(block, 1), acceptance_prior, tree_nodes=tree_nodes)
-        self.costs = CostModel()
+        self.costs = CostModel(online)
         # (rows, fresh, speculating share in eighths) -> plan, tokens/s, step priced, its forwards' seconds
         self._plans: dict[tuple[int, int, int], tuple[Plan, float, int, float]] = {}
         self._last: tuple[int, int, int] | None = None  # the key of the last plan given
