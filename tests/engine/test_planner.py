@@ -25,7 +25,7 @@ def test_cost_model_learns_load_and_a_mispriced_shape_and_forgets_it_unseen():
     """A machine twice as busy as the profile: after 25 forwards of one shape every shape is priced ~2x (the
     load). A shape the profile prices at a third of its cost is learned within 10 of its forwards beside the
     others. Left unseen (its mode priced out), its own price fades into the load's (the slower the dearer it
-    was), so the planner re-tries it;
+    was), so the planner re-tries it; once the load halves, what it learned under the old load is forgotten;
     one noisy forward moves an estimate by about 30% at most."""
     true = lambda kind, n, t: 0.01 + 0.001 * n * t  # noqa: E731
     costs = profiled(true)
@@ -45,6 +45,12 @@ def test_cost_model_learns_load_and_a_mispriced_shape_and_forgets_it_unseen():
         costs.record(*ar, 2 * true(*ar))
     assert costs.seconds(*tree) < 2 * 1.5 * true(*tree)  # most of the learned 3x forgotten
     assert costs.seconds("target", 8, 5) == pytest.approx(2 * true("target", 8, 5), rel=0.1)
+
+    for _ in range(10):
+        costs.record(*tree, 6 * true(*tree))
+    for _ in range(15):  # the machine quiet again: the tree's 3x, learned under twice the load, is dropped
+        costs.record(*ar, true(*ar))
+    assert costs.seconds(*tree) == pytest.approx(true(*tree), rel=0.15)
 
     before = costs.seconds(*ar)
     costs.record(*ar, 100 * before)  # a burst

@@ -99,19 +99,22 @@ class CostModel:
     between the two nearest row counts (beyond the largest: proportional to rows). Without a profile the first
     timed forward of each shape becomes its grid point.
 
-    Every timed forward then teaches the ratio of its shape's cost to that prior (`record`): a shape seen lately
-    is priced at its own ratio (what it costs now: a tree of 8 nodes at 4 rows may cost 1.5x what the grid says,
-    and every shape 2x while another process takes a core), a shape not seen at `load`, the lowest ratio among
-    the shapes seen lately: optimistic, so it gets tried and measured (a mispriced shape, or the machine's
-    load, cannot keep a mode from ever being re-tried). A shape's own ratio fades into `load` as forwards of
-    other shapes pass, over `HALF_LIFE` forwards times its ratio to the load: a shape priced out is re-tried
-    and re-measured, so a mode that becomes worth it again is noticed, and a shape k times dearer than the
-    rest is re-tried k times more rarely (exploring costs about the same small share of time, whatever k)."""
+    Every timed forward then teaches the ratio of its shape's cost to that prior (`record`), kept relative to
+    `load`, the lowest ratio among the shapes seen in the last `RECENT` forwards (how busy the machine is now).
+    A shape is priced at load x its relative ratio: a shape the profile misprices (a tree of 8 nodes at 4 rows
+    may cost 1.5x what the grid says) keeps its own, a shape not seen since the machine got busier or quieter
+    moves with the load, and a shape never seen is priced at the load (optimistic: it gets tried and measured).
+    A relative ratio fades to 1 as forwards of other shapes pass, over `HALF_LIFE` forwards times that ratio:
+    a shape priced out is re-tried and re-measured, so a mode that pays again is found, and a shape k times
+    dearer than the rest is re-tried k times more rarely (exploring costs about the same small share of time).
+    One learned while the load was over `REGIME` times what it is now (or under) is forgotten: relative costs
+    change with the load (another process on a core makes a 1-token forward cost nearly a 5-token one)."""
 
     KINDS = ("target", "draft", "parallel")
     SHAPE_RATE = 0.3  # per forward of that shape: a change of cost is 90% learned within ~7 of its forwards
-    HALF_LIFE = 48  # forwards of other shapes after which half a shape's own ratio gives way to the load (x ratio)
-    RECENT = 2 * HALF_LIFE  # shapes seen within this many forwards set the load
+    HALF_LIFE = 48  # forwards of other shapes after which half a shape's relative ratio is forgotten (x that ratio)
+    REGIME = 1.5
+    RECENT = 24  # shapes seen within this many forwards set the load
     STEP_CLIP = (0.5, 2.0)  # one forward counts as at most 2x (at least 0.5x) the current ratio: a noise burst
     # moves an estimate by at most 1 + rate, a real change of 10x is learned within ~10 forwards
 
@@ -122,7 +125,8 @@ class CostModel:
         self.points: dict[str, dict[tuple[int, int], float]] = {k: {} for k in self.KINDS}  # (rows, tokens) -> s
         self.profiled = False
         self.load = 1.0
-        self.ratios: dict[tuple[str, int, int], tuple[float, int]] = {}  # shape -> (its ratio, forward last seen)
+        # shape -> (its ratio to the load then, the forward it was last seen, the load then)
+        self.ratios: dict[tuple[str, int, int], tuple[float, int, float]] = {}
         self.forwards = 0  # forwards recorded
         # mode -> seconds per step outside the forwards (acceptance, sampling, branch choice, bookkeeping): they
         # differ by mode (AR's are a fraction of a parallel step's), so each mode learns its own
@@ -164,19 +168,24 @@ class CostModel:
             return
         shape = (kind, rows, tokens)
         own = self._ratio(shape)
-        self.ratios[shape] = (own + self.SHAPE_RATE * (self._clip(ratio, own) - own), self.forwards)
-        self.load = min(r for r, seen in self.ratios.values() if self.forwards - seen <= self.RECENT)
+        own += self.SHAPE_RATE * (self._clip(ratio, own) - own)
+        others = [rel * self.load for other, (rel, seen, _) in self.ratios.items()
+                  if other != shape and self.forwards - seen <= self.RECENT]
+        self.load = min(others + [own])
+        self.ratios[shape] = (own / self.load, self.forwards, self.load)
 
     def _clip(self, ratio: float, estimate: float) -> float:
         return min(max(ratio, self.STEP_CLIP[0] * estimate), self.STEP_CLIP[1] * estimate)
 
     def _ratio(self, shape: tuple[str, int, int]) -> float:
-        """The shape's ratio to the prior: its own, faded into the load by the forwards since it was seen."""
+        """The shape's ratio to the prior: the load x its relative ratio, faded by the forwards since it was seen."""
         if shape not in self.ratios:
             return self.load
-        own, seen = self.ratios[shape]
-        half_life = self.HALF_LIFE * max(own / self.load, 1.0)  # a dearer shape is re-tried more rarely
-        return self.load + (own - self.load) * 0.5 ** ((self.forwards - seen) / half_life)
+        rel, seen, then = self.ratios[shape]
+        if max(self.load / then, then / self.load) > self.REGIME:  # learned under another load: start over
+            return self.load
+        half_life = self.HALF_LIFE * max(rel, 1.0)  # a dearer shape is re-tried more rarely
+        return self.load * (1 + (rel - 1) * 0.5 ** ((self.forwards - seen) / half_life))
 
     def known(self, kind: str) -> bool:
         return bool(self.points[kind])
