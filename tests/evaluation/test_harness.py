@@ -67,7 +67,8 @@ def test_harness_run_is_lossless_and_complete(tmp_path, mlflow_uri, tiny_smollm2
     the unavailable set; plots and results are logged to MLflow."""
     cfg = HarnessConfig(model=str(tiny_smollm2), drafter="init", dtype="float32", threads=1,
                         datasets=["mt-bench", "math"], samples=2, batch_sizes=[1, 2], max_new_tokens=8,
-                        answer_tokens=8, all_branches_max_batch=1, profile=True, output_dir=str(tmp_path / "out"))
+                        answer_tokens=8, all_branches_max_batch=1, profile=True, output_dir=str(tmp_path / "out"),
+                        methods=list(METHODS))  # (opt-in methods too)
     results = run_harness(cfg)
     rows = results["rows"]
     assert {(r["dataset"], r["batch"], r["method"]) for r in rows} == {

@@ -23,7 +23,7 @@ import torch
 
 from flexdraft.core import logs
 from flexdraft.evaluation.bench import hf_generate, load_hf, timed
-from flexdraft.evaluation.methods import METHODS, Method, speculative
+from flexdraft.evaluation.methods import METHODS, OPT_IN, Method, speculative
 from flexdraft.evaluation.report import line, noise_floor, plot, report, summary
 from flexdraft.core.config import RuntimeConfig, data_dir, from_dict, load_yaml
 from flexdraft.core.data import BENCH_DATASETS, UNAVAILABLE_DATASETS, bench_prompts, check_datasets
@@ -58,7 +58,7 @@ class HarnessConfig:
     top_p: float = 1.0
     answer_tokens: int = 128  # multi-turn sets: length of the model's own earlier answers (greedy AR)
     repeats: int = 1
-    methods: list[str] = field(default_factory=lambda: list(METHODS))
+    methods: list[str] = field(default_factory=lambda: [m for m in METHODS if m not in OPT_IN])
     top_m: int = 2  # parallel-pruned keeps this many branches per row
     # EngineConfig settings for every engine method (switch_batch, tree_nodes, rho, lookup, ...; defaults: the
     # engine's); each method's own settings win (its mode, parallel-pruned's top_m)

@@ -41,6 +41,8 @@ METHODS = {
                        "the product: AR / sequential / tree / parallel / lookup (prompt + store) per step by cost"),
 }
 
+OPT_IN = ("adaptive-static",)  # named in a config's methods to run; not in the default benchmark
+
 
 def speculative(method: str) -> bool:
     """Whether a method's steps speculate (every engine method but our AR; policy methods too)."""
