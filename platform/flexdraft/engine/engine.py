@@ -45,7 +45,7 @@ from flexdraft.speculative.sampling import (Generation, SamplingParams, argmax_t
                                             make_generator, sample)
 from flexdraft.speculative.trees import (chain_trie, draft_tree, path_slots, tree_ancestors, tree_mask, tree_sample,
                                          tree_tokens, tree_walk)
-from flexdraft.speculative.verify import greedy_accept, speculative_sample
+from flexdraft.speculative.verify import accept_rows
 
 # the knobs `reconfigure` may change on a live engine (the rest size its buffers or pick its parts)
 LIVE_KNOBS = ("switch_batch", "top_m", "rho", "calibrate", "cost_model")
@@ -362,7 +362,6 @@ class Engine:
         if mode == "lookup":
             self.lookups.write(self.state, self.slots, n, Bv)
         dev, T = self.target.device, Bv + 1
-        rows = torch.arange(n, device=dev)
         tokens = torch.cat((self.state.bonus[:n, None], self.state.drafts[:n, :Bv]), dim=1)  # [n, T]
         lens = self.cache.lens[:n].clone()
         pos = lens[:, None] + torch.arange(T, device=dev)
@@ -376,7 +375,9 @@ class Engine:
         else:
             logits = self.timed("target", lambda: self.target_logits(tokens, pos, view), n, T)
             hb = None
-        accepted, new_bonus = self._accept(logits, tokens[:, 1:], rows, caps)  # [n], [n]
+        reqs = self.slots[:n]
+        accepted, new_bonus = accept_rows(logits, tokens[:, 1:], caps, [r.params for r in reqs],  # [n], [n]
+                                          [r.generator for r in reqs], self.state.q)
         if mode == "ar":
             kinds = None
         elif mode == "lookup":  # counted by n-gram size; rows without a match verified filler: not counted
@@ -468,21 +469,6 @@ class Engine:
         """-> clean logits [n, T, V], branch hidden states [n, m, T, d]."""
         h, hb = parallel_forward(self.target, self.drafter, tokens, pos, cache, anchors)
         return self.target.logits(h), hb
-
-    def _accept(self, logits: torch.Tensor, drafts: torch.Tensor, rows: torch.Tensor, caps: torch.Tensor):
-        """logits [n, T, V] at the verify tokens, drafts [n, Bv] -> accepted drafts [n] (at most caps [n]), next
-        bonus [n]: greedy rows by `greedy_accept`, sampled rows by `speculative_sample` with their own filters
-        and generator, over their first caps[i] drafts."""
-        accepted, bonus = greedy_accept(logits, drafts, caps)
-        for i, row in enumerate(rows.tolist()):
-            req = self.slots[row]
-            if not req.params.greedy:
-                c = min(drafts.shape[1], int(caps[i]))
-                p = filtered_logits(logits[i, : c + 1], req.params).softmax(-1)  # [c + 1, V]
-                q = self.state.q[row, :c] if c else None  # (AR steps, capped rows: no drafts)
-                a, b = speculative_sample(p, drafts[i, :c], q, req.generator)
-                accepted[i], bonus[i] = a, b
-        return accepted, bonus
 
     def _retire(self) -> None:
         """Remove finished rows; the last row moves into each freed row (a copy of its cached prefix)."""

@@ -85,31 +85,31 @@ class Planner:
         B, costs = band.block or self.B, self.costs
         acc = self.acceptance
         E = lambda kind, b: share * acc.expected_accepted(kind, b)  # noqa: E731
-        best, best_rate = Plan("ar"), n / (costs.seconds("target", n, 1) + costs.overhead("ar"))
+        best = Plan("ar")
+        best_rate = n / (self.forward_seconds(best, n, fresh, band) + costs.overhead("ar"))
         for Bv in self.block_sizes(B):
-            tokens = n * (1 + E("sequential", Bv))
-            rate = tokens / (costs.seconds("target", n, Bv + 1) + costs.seconds("draft", n, Bv + 1)
-                             + costs.overhead("sequential"))
+            plan = Plan("sequential", Bv)
+            rate = n * (1 + E("sequential", Bv)) / (self.forward_seconds(plan, n, fresh, band)
+                                                    + costs.overhead("sequential"))
             if rate > best_rate:
-                best, best_rate = Plan("sequential", Bv), rate
+                best, best_rate = plan, rate
         if self.trees and band.tree_nodes:
-            rate = n * (1 + E("tree", B)) / (
-                costs.seconds("target", n, band.tree_nodes + 1) + costs.seconds("draft", n, B + 1)
-                + costs.overhead("tree"))
+            plan = Plan("tree", B)
+            rate = n * (1 + E("tree", B)) / (self.forward_seconds(plan, n, fresh, band) + costs.overhead("tree"))
             if rate > best_rate:
-                best, best_rate = Plan("tree", B), rate
+                best, best_rate = plan, rate
         for Bv in (self.block_sizes(B) if rule == "parallel" else ()):
             p_len = acc.length_distribution("parallel", Bv).sort(descending=True).values
             # rows without drafts get a sequential drafter pass first (bonus-known drafts) and pay for it
             tokens = ((n - fresh) * (1 + E("parallel", Bv))
                       + fresh * (1 + E("sequential", Bv)))
-            first = costs.seconds("draft", fresh, Bv + 1) if fresh else 0.0
             for m in sorted({1, 2, 3, Bv + 1} & set(range(1, Bv + 2))):
+                plan = Plan("parallel", Bv, m)
                 miss = max(0.0, 1 - float(p_len[:m].sum()))  # a pruned branch: a drafter pass next step
-                seconds = (first + costs.seconds("parallel", n, (Bv + 1) * (1 + m)) + costs.overhead("parallel")
+                seconds = (self.forward_seconds(plan, n, fresh, band) + costs.overhead("parallel")
                            + miss * costs.seconds("draft", n, Bv + 1))
                 if tokens / seconds > best_rate:
-                    best, best_rate = Plan("parallel", Bv, m), tokens / seconds
+                    best, best_rate = plan, tokens / seconds
         return best, best_rate
 
     def lookup(self, options: list[list[tuple[list[list[int]], str | None]]], critical: list[int] | None,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from flexdraft.speculative.sampling import argmax_tokens, draw
+from flexdraft.speculative.sampling import SamplingParams, argmax_tokens, draw, filtered_logits
 
 
 def greedy_accept(logits: torch.Tensor, drafts: torch.Tensor,
@@ -40,3 +40,18 @@ def speculative_sample(p: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | 
         residual = (p[a] - q[a]).clamp_(min=0)
         dist = residual if residual.sum() > 0 else p[a]
     return a, int(draw(dist, generator))
+
+
+def accept_rows(logits: torch.Tensor, drafts: torch.Tensor, caps: torch.Tensor, params: list[SamplingParams],
+                generators: list, q: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A verify's rows: logits [n, T, V] at the verify tokens, drafts [n, Bv] -> accepted drafts [n] (at most caps
+    [n]), next bonus [n]: greedy rows by `greedy_accept`, sampled rows (params[i] not greedy) by
+    `speculative_sample` over their first caps[i] drafts, with their own filters, generator and draft
+    distributions q [>= n, >= Bv, V] (allocated once a row samples)."""
+    accepted, bonus = greedy_accept(logits, drafts, caps)
+    for i, (p_i, gen) in enumerate(zip(params, generators)):
+        if not p_i.greedy:
+            c = min(drafts.shape[1], int(caps[i]))
+            p = filtered_logits(logits[i, : c + 1], p_i).softmax(-1)  # [c + 1, V]
+            accepted[i], bonus[i] = speculative_sample(p, drafts[i, :c], q[i, :c] if c else None, gen)
+    return accepted, bonus
