@@ -133,7 +133,7 @@ def mlflow_db(tmp_path_factory):
 def mlflow_uri(tmp_path, monkeypatch, mlflow_db):
     uri = mlflow_db(tmp_path)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    monkeypatch.chdir(tmp_path)  # artifacts of a user-given URI land relative to the cwd
+    monkeypatch.chdir(tmp_path)  # whatever still writes relative to the cwd lands here, not in the repository
     return uri
 
 

@@ -1,5 +1,6 @@
 """Tracking records config, commit and hardware; configs are strict dataclasses."""
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +13,8 @@ from flexdraft.core.errors import FlexDraftError
 
 def test_run_records_config_commit_and_hardware(mlflow_uri):
     """A run holds its flattened config, the commit and the hardware; its experiment is of the kind MLflow's UI
-    opens on runs and metrics (not GenAI traces)."""
+    opens on runs and metrics (not GenAI traces), and keeps its artifacts beside the SQLite store the user named
+    (not in MLflow's default ./mlruns of whatever folder the process runs in)."""
     import mlflow
 
     from flexdraft.core.tracking import start_run
@@ -32,6 +34,8 @@ def test_run_records_config_commit_and_hardware(mlflow_uri):
     assert tags["hw.cpu"] == model_name
     exp = mlflow.MlflowClient(mlflow_uri).get_experiment(got.info.experiment_id)
     assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
+    store = Path(mlflow_uri.removeprefix("sqlite:///"))
+    assert exp.artifact_location == (store.parent / "mlartifacts").as_uri()
 
 
 def test_processes_opening_a_new_store_at_once_all_get_it(tmp_path):

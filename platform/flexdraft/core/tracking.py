@@ -44,8 +44,9 @@ KIND_TAG, KIND = "mlflow.experimentKind", "custom_model_development"
 
 
 def experiment_id(client, name: str) -> str:
-    """The id of experiment `name`, created when missing (by whichever process gets there first); artifacts beside
-    the default store, a tracking server's own artifact store otherwise."""
+    """The id of experiment `name`, created when missing (by whichever process gets there first). Artifacts go to a
+    tracking server's own artifact store; without a server, beside a SQLite store (else under the data dir), never
+    MLflow's default `./mlruns` in whatever folder the process runs in."""
     from mlflow.exceptions import MlflowException
 
     exp = client.get_experiment_by_name(name)
@@ -53,7 +54,9 @@ def experiment_id(client, name: str) -> str:
         if exp.tags.get(KIND_TAG) != KIND:  # (made by an earlier FlexDraft)
             client.set_experiment_tag(exp.experiment_id, KIND_TAG, KIND)
         return exp.experiment_id
-    artifacts = None if os.environ.get("MLFLOW_TRACKING_URI") else (data_dir() / "mlartifacts").as_uri()
+    uri = client.tracking_uri
+    database = Path(uri.removeprefix("sqlite:///")).parent if uri.startswith("sqlite:///") else data_dir()
+    artifacts = None if uri.startswith(("http://", "https://", "databricks")) else (database / "mlartifacts").as_uri()
     try:
         return client.create_experiment(name, artifact_location=artifacts, tags={KIND_TAG: KIND})
     except MlflowException:  # created meanwhile by another process
