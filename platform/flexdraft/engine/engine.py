@@ -173,12 +173,7 @@ class Engine:
         per request it added)."""
         if request_id not in self.finished:
             raise FlexDraftError(f"request {request_id} is not finished (or unknown)")
-        req = self.finished.pop(request_id)
-        # tokens per target forward; the prefill's token is not counted (it costs the same in every mode)
-        tau = (len(req.tokens) - 1) / req.forwards if req.forwards else 1.0
-        share = {mode: count / req.forwards for mode, count in req.modes.items()}
-        return Generation(req.tokens, req.finish_reason, 0.0, len(req.prompt),
-                          {"accepted_lengths": req.accepted, "tau": tau, "forwards": req.forwards, "mode_share": share})
+        return self.finished.pop(request_id).generation()
 
     @property
     def active(self) -> int:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from flexdraft.speculative.lookup import NgramIndex
-from flexdraft.speculative.sampling import SamplingParams
+from flexdraft.speculative.sampling import Generation, SamplingParams
 
 
 @dataclass
@@ -52,6 +52,15 @@ class Request:
     finish_reason: str | None = None
     index: NgramIndex | None = None  # its prompt and tokens, for lookup drafts
     acceptance: RowAcceptance = field(default_factory=RowAcceptance)
+
+    def generation(self) -> Generation:
+        """What a finished request reports: its tokens, tau (tokens per target forward, the prefill's token not
+        counted: it costs the same in every mode), its accepted lengths and its forwards' mode shares."""
+        tau = (len(self.tokens) - 1) / self.forwards if self.forwards else 1.0
+        share = {mode: count / self.forwards for mode, count in self.modes.items()}
+        return Generation(self.tokens, self.finish_reason, 0.0, len(self.prompt),
+                          {"accepted_lengths": self.accepted, "tau": tau, "forwards": self.forwards,
+                           "mode_share": share})
 
 
 def draft_caps(requests: list[Request], B: int, online: bool = True) -> list[int]:
