@@ -12,9 +12,11 @@ from flexdraft.evaluation.harness import METHODS, HarnessConfig, run_harness
 
 
 def test_registry_sizes_and_unavailable_sets():
-    """GSM8K test 1,319, HumanEval 164, MT-Bench 80 x 2 turns; MATH and MBPP are reported, never substituted."""
+    """GSM8K test 1,319, HumanEval 164, MT-Bench 80 x 2 turns, ShareGPT's 453 long documents; MATH and MBPP are
+    reported, never substituted."""
     sizes = {name: [len(item) for item in d.items()] for name, d in BENCH_DATASETS.items()}
-    assert {k: len(v) for k, v in sizes.items()} == {"gsm8k": 1319, "humaneval": 164, "mt-bench": 80}
+    assert {k: len(v) for k, v in sizes.items()} == {"gsm8k": 1319, "humaneval": 164, "mt-bench": 80,
+                                                     "sharegpt-long": 453}
     assert set(sizes["mt-bench"]) == {2} and set(sizes["gsm8k"]) == set(sizes["humaneval"]) == {1}
     assert check_datasets(["gsm8k", "math", "mbpp"]) == ["gsm8k"]
     with pytest.raises(FlexDraftError, match="unknown dataset.*gsm9k"):
@@ -42,6 +44,13 @@ def test_seeded_samples_and_mt_bench_second_turn_after_own_answer(real_lm):
     text = tok.decode(mt[1].ids)
     assert text.index(turns[0]) < text.index("MY-ANSWER-0") < text.index(turns[1])
     assert mt[1].ids[:len(mt[0].ids) - 3] == mt[0].ids[:len(mt[0].ids) - 3]  # same conversation, continued
+
+
+def test_long_documents_are_long_and_fit_a_row_with_room_to_answer(real_lm):
+    """Every sharegpt-long prompt (chat template) is at least 500 tokens and leaves 256 of a row's 2,048 cache
+    slots for the answer, so a server with default limits takes it."""
+    lengths = [len(p.ids) for p in bench_prompts("sharegpt-long", real_lm.tokenizer, 453, seed=0)]
+    assert len(lengths) == 453 and min(lengths) >= 500 and max(lengths) <= 2048 - 256
 
 
 @pytest.mark.parametrize("overrides,needle", [

@@ -324,29 +324,33 @@ def test_spec_decode_metrics_reach_prometheus(app):
     assert sum(drafts) > 0
 
 
-def test_loadtest_reports_every_level_against_the_app_and_a_baseline(app, mlflow_uri, tmp_path):
-    """`flexdraft loadtest` through HTTP: 6 streamed requests at concurrency 1 and 2 to `tiny`, each level right
-    after to a baseline endpoint (`elastic`, which holds 2), all answered, with latencies, throughput, the server's accepted
-    length and the tok/s ratio, in a JSON file and an MLflow run."""
+def test_loadtest_reports_every_level_against_the_app_a_baseline_and_a_compared_app(app, mlflow_uri, tmp_path):
+    """`flexdraft loadtest` through HTTP: 6 streamed requests at concurrency 1 and 2 to `tiny`, the same to a
+    baseline endpoint (`elastic`) and to a compared one (`real`), taking turns in rounds; all answered, with
+    latencies, throughput, the server's accepted length and each one's tok/s ratio to the baseline, in a JSON file
+    and an MLflow run."""
     import mlflow
 
     from flexdraft.evaluation.loadtest import run_loadtest
 
     results = run_loadtest(URL, "gsm8k", [1, 2], 6, stream=True, api_key=KEY, max_tokens=8,
-                           output=tmp_path / "lt.json", baseline=f"{URL}/elastic")
+                           output=tmp_path / "lt.json", baseline=f"{URL}/elastic", compare={"real": f"{URL}/real"})
     for r in results.values():
-        for x in (r, r["baseline"]):
+        for x in (r, r["baseline"], r["compare"]["real"]):
             assert x["errors"] == 0 and x["output_tokens"] > 0 and x["tokens_per_s"] > 0
             assert 0 < x["ttft_p50"] <= x["e2e_p50"] and x["mean_accepted_length"] >= 1
-        assert r["speedup"] == pytest.approx(r["tokens_per_s"] / r["baseline"]["tokens_per_s"])
+        for x in (r, r["compare"]["real"]):
+            assert x["speedup"] == pytest.approx(x["tokens_per_s"] / r["baseline"]["tokens_per_s"])
     assert json.loads((tmp_path / "lt.json").read_text())["results"].keys() == {"1", "2"}
     run, = mlflow.search_runs(experiment_names=["flexdraft-loadtest"], output_format="list")
-    for key in ("tokens_per_s", "baseline/tokens_per_s", "speedup"):
+    for key in ("tokens_per_s", "baseline/tokens_per_s", "speedup", "real/tokens_per_s", "real/speedup"):
         assert [m.step for m in mlflow.MlflowClient().get_metric_history(run.info.run_id, key)] == [1, 2]
     with pytest.raises(Exception, match="this machine only"):
         run_loadtest("http://10.0.0.1:8000", "gsm8k", [1], 1)
-    with pytest.raises(Exception, match="the baseline is the endpoint under test"):
+    with pytest.raises(Exception, match="baseline .* is an endpoint already measured"):
         run_loadtest(URL, "gsm8k", [1], 1, baseline=f"{URL}/v1")
+    with pytest.raises(Exception, match="name compared endpoints otherwise"):
+        run_loadtest(URL, "gsm8k", [1], 1, baseline=f"{URL}/elastic", compare={"baseline": f"{URL}/real"})
 
 
 def _complete(route: str, max_tokens: int, timeout: float = 120) -> tuple[float, int | str]:

@@ -52,10 +52,16 @@ def cmd_loadtest(args) -> None:
         if not report.ok():
             raise FlexDraftError("the endpoint did not hold under chaos (see the table above)")
         return
+    compare = {}
+    for item in args.compare:
+        name, sep, url = item.partition("=")
+        if not sep or not name or not url or name in compare:
+            raise FlexDraftError(f"--compare takes distinct NAME=URL pairs, got {item!r}")
+        compare[name] = url
     output = args.output or data_dir() / "loadtest" / f"{args.dataset}-{int(time.time())}.json"
     run_loadtest(args.url, args.dataset, args.concurrency, args.requests, stream=args.stream,
                  api_key=api_key, max_tokens=args.max_tokens,
-                 output=output, model=args.model, baseline=args.baseline)
+                 output=output, model=args.model, baseline=args.baseline, compare=compare)
 
 
 def register(sub) -> None:
@@ -81,7 +87,8 @@ def register(sub) -> None:
     b.set_defaults(func=cmd_bench)
     lt = sub.add_parser("loadtest", help="concurrent OpenAI-API requests against a local endpoint: tok/s, latencies")
     lt.add_argument("--url", default="http://127.0.0.1:8000", help="the endpoint (this machine only)")
-    lt.add_argument("--dataset", default="gsm8k", help="gsm8k, humaneval or mtbench (first turns, as chat)")
+    lt.add_argument("--dataset", default="gsm8k", help="gsm8k, humaneval, mtbench or sharegpt-long "
+                    "(first turns, as chat)")
     lt.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     lt.add_argument("--requests", type=int, default=32, help="requests per concurrency level")
     lt.add_argument("--max-tokens", type=int, default=64)
@@ -90,6 +97,9 @@ def register(sub) -> None:
     lt.add_argument("--model", help="the served model name to send (default: the server's)")
     lt.add_argument("--baseline", metavar="URL", help="a second endpoint measured beside --url at every level (e.g. "
                     "the same app with mode ar): tok/s ratio per level")
+    lt.add_argument("--compare", nargs="+", metavar="NAME=URL", default=[], help="more endpoints measured in the same "
+                    "rounds (e.g. static=http://127.0.0.1:8000/static ar2=http://127.0.0.1:8000/ar2 for a noise "
+                    "floor), each with its tok/s ratio to --baseline")
     lt.add_argument("--output", help="results JSON (default: $FLEXDRAFT_HOME/loadtest/<dataset>-<time>.json)")
     lt.add_argument("--chaos", action="store_true", help="hostile traffic instead (out-of-range, wrong types, "
                     "malformed and oversized bodies, clients that leave): --requests of them at the largest "

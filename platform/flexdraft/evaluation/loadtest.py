@@ -121,15 +121,16 @@ def summarize(outcomes: list[Outcome], wall: float) -> dict:
 
 
 def table(results: dict[int, dict]) -> str:
-    """A row per concurrency level; with a baseline, its row under each and the tok/s ratio."""
+    """A row per concurrency level and endpoint: the one under test, then the baseline and the compared ones, each
+    with its tok/s ratio to the baseline."""
     ms = lambda x: "-" if x is None else f"{1000 * x:.0f}"
     lines = ["| concurrency | endpoint | tok/s | speed-up | TTFT p50/p99 ms | TPOT p50/p99 ms | e2e p50/p99 ms | "
              "errors | accepted len |", "|---|---|---|---|---|---|---|---|---|"]
     for c, r in results.items():
-        rows = [("target", r, f"{r['speedup']:.2f}x" if "speedup" in r else "-")]
-        if "baseline" in r:
-            rows.append(("baseline", r["baseline"], "1.00x"))
-        for name, x, ratio in rows:
+        rows = [("target", r)] + ([("baseline", r["baseline"])] if "baseline" in r else [])
+        rows += list(r.get("compare", {}).items())
+        for name, x in rows:
+            ratio = f"{x['speedup']:.2f}x" if "speedup" in x else "1.00x" if name == "baseline" else "-"
             acc = "-" if x["mean_accepted_length"] is None else f"{x['mean_accepted_length']:.2f}"
             lines.append(f"| {c} | {name} | {x['tokens_per_s']:.1f} | {ratio} | "
                          f"{ms(x['ttft_p50'])}/{ms(x['ttft_p99'])} | {ms(x['tpot_p50'])}/{ms(x['tpot_p99'])} | "
@@ -148,8 +149,8 @@ def check_url(url: str) -> str:
 
 def rounds(requests: int, concurrency: int) -> list[tuple[int, int]]:
     """A level's requests as (first, count) rounds for a side-by-side run: up to 4, each at least twice the
-    concurrency, so the two endpoints alternate often enough that a machine whose speed drifts (other tenants, CPU
-    steal) slows both alike."""
+    concurrency, so the endpoints take turns often enough that a machine whose speed drifts (other tenants, CPU
+    steal) slows them alike."""
     n = max(1, min(4, requests // (2 * concurrency)))
     bounds = [round(i * requests / n) for i in range(n + 1)]
     return [(a, b - a) for a, b in zip(bounds, bounds[1:])]
@@ -158,50 +159,63 @@ def rounds(requests: int, concurrency: int) -> list[tuple[int, int]]:
 def run_loadtest(url: str, dataset: str, concurrency: list[int], requests: int, stream: bool = True,
                  api_key: str | None = None, max_tokens: int = 64, timeout: float = 300.0,
                  output: str | Path | None = None, model: str | None = None,
-                 baseline: str | None = None) -> dict[int, dict]:
+                 baseline: str | None = None, compare: dict[str, str] | None = None) -> dict[int, dict]:
     """Each concurrency level in turn, `requests` requests each (the same prompts in the same order). baseline: a
-    second endpoint (e.g. the same deployment with `mode: ar`) sent the same requests at every level, the two
-    taking turns in rounds (`rounds`); each level's result then holds it and `speedup` (tok/s ratio)."""
+    second endpoint (e.g. the same deployment with `mode: ar`); compare: more endpoints by name (e.g. another
+    policy, or a second AR app as the noise floor). With either, every endpoint is sent the same requests at every
+    level, taking turns in rounds (`rounds`; round k starts at the k-th endpoint, so none always goes first); each
+    level's result then holds `baseline` and `compare` {name: result}, and each of those and the target has
+    `speedup`, its tok/s over the baseline's."""
     base = check_url(url)
-    other = check_url(baseline) if baseline else None
-    if other == base:
-        raise FlexDraftError(f"the baseline is the endpoint under test ({url}): give another, e.g. the app in mode ar")
+    endpoints = {"target": base}
+    if compare and ({"target", "baseline"} & compare.keys()):
+        raise FlexDraftError("'target' and 'baseline' name --url and --baseline: name compared endpoints otherwise")
+    for name, u in (({"baseline": baseline} if baseline else {}) | (compare or {})).items():
+        if check_url(u) in endpoints.values():
+            raise FlexDraftError(f"{name} ({u}) is an endpoint already measured (the one under test is {url}): "
+                                 "each endpoint once, e.g. the app in mode ar as the baseline")
+        endpoints[name] = check_url(u)
     if requests < 1 or not concurrency or min(concurrency) < 1 or max_tokens < 1:
         raise FlexDraftError("requests, every concurrency and max_tokens must be >= 1")
     prompts = prompts_of(dataset)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     run = lambda endpoint, c, first, n: asyncio.run(_level(endpoint, prompts, c, first, n, stream, max_tokens,
                                                            headers, timeout, model))
+    names = list(endpoints)
     results = {}
     for c in concurrency:
-        if not other:
-            results[c] = r = summarize(*run(base, c, 0, requests))
-            log.info(f"concurrency {c}: {r['tokens_per_s']:.1f} tok/s, {r['errors']} errors")
-            continue
-        got = {base: ([], 0.0), other: ([], 0.0)}
-        for k, (first, n) in enumerate(rounds(requests, c)):
-            for endpoint in ((base, other) if k % 2 == 0 else (other, base)):  # ABBA: neither always first
-                outcomes, wall = run(endpoint, c, first, n)
-                got[endpoint] = (got[endpoint][0] + outcomes, got[endpoint][1] + wall)
-        results[c] = r = summarize(*got[base])
-        r["baseline"] = b = summarize(*got[other])
-        r["speedup"] = r["tokens_per_s"] / b["tokens_per_s"] if b["tokens_per_s"] else 0.0
-        log.info(f"concurrency {c}: {r['tokens_per_s']:.1f} tok/s, {r['errors']} errors; baseline "
-                 f"{b['tokens_per_s']:.1f} tok/s, {b['errors']} errors: {r['speedup']:.2f}x")
+        got = {name: ([], 0.0) for name in names}
+        for k, (first, n) in enumerate(rounds(requests, c) if len(names) > 1 else [(0, requests)]):
+            for name in names[k % len(names):] + names[:k % len(names)]:
+                outcomes, wall = run(endpoints[name], c, first, n)
+                got[name] = (got[name][0] + outcomes, got[name][1] + wall)
+        summary = {name: summarize(*got[name]) for name in names}
+        results[c] = r = summary.pop("target")
+        if baseline:
+            r["baseline"] = b = summary.pop("baseline")
+            for x in [r, *summary.values()]:
+                x["speedup"] = x["tokens_per_s"] / b["tokens_per_s"] if b["tokens_per_s"] else 0.0
+        if summary:
+            r["compare"] = summary
+        log.info(f"concurrency {c}: " + "; ".join(
+            f"{name} {x['tokens_per_s']:.1f} tok/s, {x['errors']} errors"
+            + (f" ({x['speedup']:.2f}x)" if "speedup" in x else "")
+            for name, x in [("target", r), *([("baseline", r["baseline"])] if baseline else []), *summary.items()]))
     print(table(results))
     if output:
         path = Path(output)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"url": url, "baseline": baseline, "dataset": dataset, "stream": stream,
-                                    "max_tokens": max_tokens, "results": results}, indent=1))
+        path.write_text(json.dumps({"url": url, "baseline": baseline, "compare": compare or {}, "dataset": dataset,
+                                    "stream": stream, "max_tokens": max_tokens, "results": results}, indent=1))
         log.info(f"results in {path}")
     _track({"url": url, "baseline": baseline or "", "dataset": dataset, "stream": stream, "max_tokens": max_tokens,
-            "requests_per_level": requests}, results)
+            "requests_per_level": requests, **{f"compare/{k}": v for k, v in (compare or {}).items()}}, results)
     return results
 
 
 def _track(params: dict, results: dict) -> None:
-    """An MLflow run in `flexdraft-loadtest`: each level's numbers at step = concurrency (baseline/ prefixed)."""
+    """An MLflow run in `flexdraft-loadtest`: each level's numbers at step = concurrency (baseline/ and each compared
+    endpoint's name/ prefixed)."""
     import mlflow
 
     from flexdraft.core.tracking import start_run
@@ -209,5 +223,7 @@ def _track(params: dict, results: dict) -> None:
     numbers = lambda r, prefix="": {prefix + k: v for k, v in r.items() if isinstance(v, (int, float))}
     with start_run("flexdraft-loadtest", params, run_name=f"loadtest-{params['dataset']}"):
         for c, r in results.items():
-            mlflow.log_metrics({**numbers(r), **numbers(r.get("baseline", {}), "baseline/")}, step=c)
+            others = {"baseline": r.get("baseline", {}), **r.get("compare", {})}
+            mlflow.log_metrics({**numbers(r), **{k: v for name, x in others.items()
+                                                 for k, v in numbers(x, f"{name}/").items()}}, step=c)
 
