@@ -12,6 +12,8 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 # Ray 2.60 enables token auth on a local head by default; the Ray job tests then wait forever in Ray Data
 # (seen when pytest runs without the Makefile, which exports this too)
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+# commands run in the test's process with all their output (tests/cli/test_console.py tests the quiet terminal)
+os.environ.setdefault("FLEXDRAFT_VERBOSE", "1")
 torch.set_num_threads(1)
 
 

@@ -5,6 +5,7 @@ import json
 import sys
 from pathlib import Path
 
+from flexdraft.cli.flags import add_console_flags
 from flexdraft.core.errors import FlexDraftError
 
 FULL_BENCH_CONFIG = "configs/bench/full.yaml"
@@ -84,6 +85,7 @@ def register(sub) -> None:
     b.add_argument("--output-dir", help="where results.md/json and plots go (default $FLEXDRAFT_HOME/bench/<time>)")
     b.add_argument("--temperature", type=float, help="sample at this temperature (default: the config's, greedy)")
     b.add_argument("--top-p", type=float, help="nucleus sampling with --temperature")
+    add_console_flags(b)
     b.set_defaults(func=cmd_bench)
     lt = sub.add_parser("loadtest", help="concurrent OpenAI-API requests against a local endpoint: tok/s, latencies")
     lt.add_argument("--url", default="http://127.0.0.1:8000", help="the endpoint (this machine only)")
@@ -107,4 +109,5 @@ def register(sub) -> None:
     lt.add_argument("--seed", type=int, default=0, help="--chaos: the seed of its request mix")
     lt.add_argument("--max-seconds", type=float, default=300, help="--chaos: stop sending after this long")
     lt.add_argument("--body-limit", type=int, default=1 << 20, help="--chaos: the server's max_body_bytes")
+    add_console_flags(lt)
     lt.set_defaults(func=cmd_loadtest)

@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 import sys
 
+from flexdraft.cli.flags import add_console_flags
+
 def cmd_cluster(args) -> None:
     """A multi-node Ray cluster and an MLflow server on this machine (infra/local/cluster.yaml)."""
     from flexdraft.cluster import local as cluster
@@ -29,4 +31,5 @@ def register(sub) -> None:
     c.add_argument("--node", action="append", help="down: only this node (or mlflow); repeatable")
     c.add_argument("--force", action="store_true", help="down: SIGKILL at once, as a machine failure would")
     c.add_argument("--json", action="store_true", help="status as JSON")
+    add_console_flags(c, when=lambda args: args.action == "up")  # `env` is eval'd: its stdout stays its own
     c.set_defaults(func=cmd_cluster)

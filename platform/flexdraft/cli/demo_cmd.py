@@ -1,6 +1,8 @@
 """`flexdraft demo`: the tour (cli/demo.py)."""
 from __future__ import annotations
 
+from flexdraft.cli.flags import add_console_flags
+
 
 def cmd_demo(args) -> None:
     from flexdraft.cli.demo import run_demo
@@ -15,4 +17,5 @@ def register(sub) -> None:
     d = sub.add_parser("demo", help="the tour: train a drafter on a demo budget, benchmark it, serve it (~20 min)")
     d.add_argument("--config", help="pipeline YAML (default: configs/demo.yaml)")
     d.add_argument("--bench-config", help="harness YAML (default: configs/bench/demo.yaml)")
+    add_console_flags(d)
     d.set_defaults(func=cmd_demo)

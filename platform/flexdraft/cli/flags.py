@@ -10,6 +10,14 @@ def runtime(args):
     return RuntimeConfig(device=args.device, dtype=args.dtype, threads=args.threads)
 
 
+def add_console_flags(p: argparse.ArgumentParser, when=None) -> None:
+    """A long command (or, with `when(args)`, some of its uses): its terminal shows FlexDraft's lines, the
+    libraries' output goes to a log (cli/console.py)."""
+    p.add_argument("--verbose", action="store_true", help="show the libraries' output (Ray, DeepSpeed, MLflow) "
+                   "here instead of in a log file (also FLEXDRAFT_VERBOSE=1)")
+    p.set_defaults(console=when or True)
+
+
 def add_runtime_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2", help="'smollm2' (bundled), a .gguf file or a HF folder")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from flexdraft.cli import bench, cluster, demo_cmd, env, generate, serve, train
+from flexdraft.cli import bench, cluster, console, demo_cmd, env, generate, serve, train
 from flexdraft.core import logs
 from flexdraft.core.errors import FlexDraftError
 
@@ -22,6 +22,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if console.wanted(args):
+        return console.run_quiet(sys.argv[1:] if argv is None else argv, args.command)
     logs.setup()
     try:
         args.func(args)

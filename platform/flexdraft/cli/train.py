@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import sys
 
+from flexdraft.cli.flags import add_console_flags
+
 def cmd_job(args) -> None:
     """The Ray jobs of jobs/*.py, on a local Ray instance or the cluster in RAY_ADDRESS."""
     from flexdraft.training.jobs import run_stage
@@ -29,10 +31,12 @@ def register(sub) -> None:
                                ("pipeline", "pipeline", "distill, then attention tuning, then calibration")]:
         j = sub.add_parser(name, help=help_)
         j.add_argument("--config", default="configs/smollm2.yaml", help="pipeline YAML")
+        add_console_flags(j)
         j.set_defaults(func=cmd_job, stage=stage)
     w = sub.add_parser("sweep", help="Ray Tune sweep of decode-time or training-time settings -> a policy file")
     w.add_argument("--config", default="tuning/configs/decode.yaml",
                    help="sweep YAML (repository paths resolve to the packaged copies from anywhere)")
     w.add_argument("--drafter", help="decode sweeps: the drafter to sweep over (default: the config's)")
     w.add_argument("--resume", action="store_true", help="continue the interrupted sweep of this name")
+    add_console_flags(w)
     w.set_defaults(func=cmd_sweep)
