@@ -27,7 +27,7 @@ from flexdraft.core.errors import FlexDraftError
 from flexdraft.evaluation.harness import HarnessConfig, run_harness
 from flexdraft.evaluation.report import summary_table
 from flexdraft.drafter.recipe import PipelineConfig, load_pipeline_config
-from flexdraft.core.tracking import tracking_uri
+from flexdraft.core.tracking import experiment_links, tracking_uri, ui_command
 
 DEMO_PIPELINE = "configs/demo.yaml"  # (the packaged copies from anywhere: `config.config_path`)
 DEMO_BENCH = "configs/bench/demo.yaml"
@@ -113,7 +113,7 @@ def _client_requests(url: str) -> None:
     client = OpenAI(base_url=f"{url}/v1", api_key=API_KEY)
     model = client.models.list().data[0].id
     say(f"  GET /v1/models -> {model}")
-    for question in ("What is 12 * 7? Answer with the number.", "Name three primary colors."):
+    for question in ("What is the capital of France?", "Name three primary colors."):
         t = time.perf_counter()
         out = client.chat.completions.create(model=model, messages=[{"role": "user", "content": question}],
                                              max_tokens=32, temperature=0)
@@ -164,6 +164,15 @@ def _stop(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+def _dashboards(experiments: list[str]) -> str:
+    """The summary's MLflow lines: the command that starts the UI, then a link per experiment to its runs."""
+    links = experiment_links(experiments)
+    width = max(map(len, links), default=0)
+    lines = [ui_command() or f"the tracking server at {tracking_uri()}"] + [
+        f"{name:<{width}}  {url}" for name, url in links.items()]
+    return "  dashboards: " + "\n              ".join(lines) + "\n"
+
+
 def run_demo(pipeline: PipelineConfig | None = None, bench: HarnessConfig | None = None) -> dict:
     cfg = pipeline or load_pipeline_config(DEMO_PIPELINE)
     bench = bench or load_yaml(HarnessConfig, DEMO_BENCH)
@@ -202,9 +211,7 @@ def run_demo(pipeline: PipelineConfig | None = None, bench: HarnessConfig | None
         f"  drafter:    {cfg.drafter_dir('calibration')}\n"
         f"  benchmark:  {results['output_dir']}/results.md (per dataset), *.png (plots)\n"
         f"  loadtest:   {data_dir() / 'demo' / 'loadtest.json'}\n"
-        f"  dashboards: mlflow ui --backend-store-uri {tracking_uri()}   then http://127.0.0.1:5000\n"
-        f"              experiments {cfg.mlflow_experiment} (training), {bench.mlflow_experiment}, flexdraft-serve, "
-        f"flexdraft-loadtest\n"
+        + _dashboards([cfg.mlflow_experiment, bench.mlflow_experiment, "flexdraft-serve", "flexdraft-loadtest"]) +
         "  next:       flexdraft pipeline --config configs/smollm2.yaml   (the full-quality drafter, ~30 min)\n"
         "              flexdraft serve                                    (the app, until Ctrl-C)\n"
         "              flexdraft sweep --config tuning/configs/decode.yaml (this machine's policy, ~12 min)\n"

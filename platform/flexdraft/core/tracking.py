@@ -63,6 +63,28 @@ def experiment_id(client, name: str) -> str:
         return client.get_experiment_by_name(name).experiment_id
 
 
+def ui_command() -> str:
+    """The command that opens this store in MLflow's UI, without the job consumers `mlflow ui` forks by default
+    (they outlive a Ctrl-C of the UI); empty for a tracking server, which is its own UI."""
+    uri = tracking_uri()
+    if uri.startswith(("http://", "https://")):
+        return ""
+    return f"MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false mlflow ui --backend-store-uri {uri}"
+
+
+def experiment_links(names: list[str], ui: str = "http://127.0.0.1:5000") -> dict[str, str]:
+    """{name: its runs page} for the experiments of `names` the store has: links that open on the runs table
+    (MLflow 3's UI otherwise opens a fresh browser on its GenAI view). A tracking server is its own UI."""
+    from mlflow.tracking import MlflowClient
+
+    uri = tracking_uri()
+    ui = uri.rstrip("/") if uri.startswith(("http://", "https://")) else ui
+    client = MlflowClient(uri)
+    found = {n: client.get_experiment_by_name(n) for n in names}
+    return {n: f"{ui}/#/experiments/{e.experiment_id}/runs?workflowType=machine_learning"
+            for n, e in found.items() if e is not None}
+
+
 def git_commit() -> str:
     """The commit of the source tree (FLEXDRAFT_GIT_COMMIT wins, e.g. for a Ray job's copied working dir)."""
     if os.environ.get("FLEXDRAFT_GIT_COMMIT"):
