@@ -15,6 +15,9 @@ def cmd_generate(args) -> None:
 
     if (args.prompt is None) == (args.prompts_file is None):
         raise FlexDraftError("give exactly one of --prompt TEXT or --prompts-file F.jsonl")
+    if args.chat and args.prompts_file:  # a {"prompt": ...} line is raw text: --chat would be silently ignored
+        raise FlexDraftError('--chat wraps --prompt; a prompts file takes {"messages": [...]} lines for the chat '
+                             'template')
     if args.max_batch < 1:
         raise FlexDraftError(f"--batch-size must be >= 1, got {args.max_batch}")
     sampling_flag = args.temperature is not None or args.top_p is not None or args.top_k is not None
