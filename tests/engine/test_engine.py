@@ -108,7 +108,7 @@ def test_any_sequence_of_plans_is_lossless(tiny, drafters, batch):
         assert [g.token_ids for g in results] == ref, seed
         assert all(max(g.extra["accepted_lengths"], default=0) <= c.max_draft_tokens
                    for g, c in zip(results, capped) if c.max_draft_tokens is not None)
-    assert modes == {"ar", "sequential", "tree", "parallel", "lookup"}
+    assert modes == {"prefill", "ar", "sequential", "tree", "parallel", "lookup"}
 
 
 class SecondChoiceProposer(ReferenceProposer):
@@ -153,7 +153,7 @@ def test_tree_accepts_a_path_through_a_second_choice(tiny, drafters):
         engine.step()
         modes.append(engine.last_stats.mode)
     assert [engine.result(i).token_ids for i in ids] == ref
-    assert set(modes) == {"tree"}
+    assert set(modes) == {"prefill", "tree"}  # (the admissions, then tree steps only)
 
 
 def test_parallel_clean_path_is_the_plain_verify_up_to_rounding(tmp_path):

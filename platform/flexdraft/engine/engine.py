@@ -9,7 +9,8 @@ Per row the engine holds `lens` (tokens in the cache), `bonus` (the last emitted
 it sits at position lens) and `ndrafts` drafts d_1.. for positions lens+1.. with their confidences (and
 their full distributions q for sampled rows); `from_branch` says whether a parallel branch made them. A step
 reads plan -> propose -> verify -> commit -> retire:
-  1. admit waiting requests (prefill, draw the first token: the row's bonus), then plan the step (`plan`);
+  1. admit waiting requests (prefill, draw the first token: the row's bonus; such a step ends there, so first
+     tokens stream after the prefill alone), else plan the step (`plan`);
   2. propose: rows without drafts (fresh, pruned, after an AR or lookup step) get a drafter pass with the bonus
      known in slot 0 (`proposers.DrafterProposer`); a lookup step's drafts are prompt-lookup and n-gram-store
      chains (`proposers.LookupProposer`), several per row verified as one token trie, with no drafter;
@@ -35,7 +36,7 @@ from flexdraft.engine import profiling
 from flexdraft.engine.config import NO_DRAFTER, EngineConfig, Mode
 from flexdraft.engine.proposers import DrafterProposer, LookupProposer
 from flexdraft.engine.state import Request, RowState, draft_caps, speculating_share
-from flexdraft.engine.stats import IDLE, SpecDecodingStats, StepStats
+from flexdraft.engine.stats import IDLE, PREFILL, SpecDecodingStats, StepStats
 from flexdraft.models.transformer import Transformer
 from flexdraft.speculative.branches import AcceptanceModel, Plan, branch_anchors
 from flexdraft.speculative.lookup import NgramIndex, NgramStore
@@ -186,13 +187,14 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> dict[int, list[int]]:
-        """One decoding step for every active row (after admitting waiting requests): {id: new token ids}."""
+        """One step -> {id: new token ids}: admit waiting requests (prefill, first tokens), else decode every row."""
         t0 = self.clock()
         stats = self.last_stats = StepStats(IDLE, 0)  # this step's, filled as it goes
-        out = self._admit()
+        out = self._admit()  # a step that admits ends with the first tokens: they stream after the prefill alone
         self._retire()
         n = len(self.slots)
-        if n:
+        stats.mode = PREFILL if stats.admitted else IDLE
+        if n and not stats.admitted:
             caps = torch.tensor(draft_caps(self.slots[:n], self.B, self.config.online), dtype=torch.long,
                                 device=self.target.device)
             plan = self.plan(n, caps)
@@ -202,8 +204,7 @@ class Engine:
                 if need.numel():
                     stats.drafted_rows = need.numel()
                     self.proposer.propose(need, plan.block, self.slots, self._parallel_may_follow(n))
-            for rid, tokens in self._verify(n, plan, caps).items():  # (a row admitted this step: after its first)
-                out.setdefault(rid, []).extend(tokens)
+            out = self._verify(n, plan, caps)
             self._retire()
         self._sync()
         stats.seconds = self.clock() - t0

@@ -8,12 +8,14 @@ from dataclasses import dataclass, field
 
 from flexdraft.engine.config import Mode
 
-IDLE, PROFILE = "idle", "profile"  # the step kinds that are not a decoding mode (nothing decoded; a profile run)
+# the step kinds that are not a decoding mode: nothing to do; prompts prefilled (their first tokens drawn); a profile
+IDLE, PREFILL, PROFILE = "idle", "prefill", "profile"
+NOT_DECODING = (IDLE, PREFILL, PROFILE)
 
 
 @dataclass
 class StepStats:
-    mode: str  # a Mode's value (ar | sequential | tree | parallel | lookup), or IDLE / PROFILE
+    mode: str  # a Mode's value (ar | sequential | tree | parallel | lookup), or one of NOT_DECODING
     rows: int  # rows decoded this step (after admission)
     admitted: int = 0
     admitted_ids: list[int] = field(default_factory=list)  # the requests prefilled this step
@@ -29,7 +31,7 @@ class StepStats:
     @property
     def speculative(self) -> bool:
         """Whether the step verified drafts (an AR, idle or profile step did not)."""
-        return self.mode not in (Mode.AR, IDLE, PROFILE) and bool(self.accepted)
+        return self.mode != Mode.AR and self.mode not in NOT_DECODING and bool(self.accepted)
 
 
 COUNTS = ("num_steps", "num_rows", "num_tokens", "num_drafts", "num_draft_tokens", "num_accepted_tokens")
@@ -52,7 +54,7 @@ class SpecDecodingStats:
     @staticmethod
     def of_step(step: StepStats) -> "SpecDecodingStats":
         s = SpecDecodingStats(num_steps=1, num_rows=step.rows, num_tokens=step.tokens)
-        if step.mode not in (IDLE, PROFILE):
+        if step.mode not in NOT_DECODING:
             s.steps_by_mode = {Mode(step.mode): 1}
         if step.speculative:
             acc = step.accepted

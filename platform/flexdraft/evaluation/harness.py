@@ -29,6 +29,7 @@ from flexdraft.core.config import RuntimeConfig, data_dir, from_dict, load_yaml
 from flexdraft.core.data import BENCH_DATASETS, UNAVAILABLE_DATASETS, bench_prompts, check_datasets
 from flexdraft.engine.engine import Engine
 from flexdraft.engine.config import EngineConfig
+from flexdraft.engine.stats import NOT_DECODING
 from flexdraft.core.errors import FlexDraftError
 from flexdraft.speculative.sampling import SamplingParams
 from flexdraft.engine.ar import generate
@@ -163,9 +164,10 @@ def lockstep(engines: dict[str, Engine], prompts: list[list[int]], params: Sampl
             engine.step()
             r, s = res[name], engine.last_stats
             r["seconds"] += time.perf_counter() - t0
-            plan = s.mode + (f"/B{s.block}" if s.block else "") + (f"/m{s.branches:g}" if s.mode == "parallel" else "")
-            r["plans"][plan] = r["plans"].get(plan, 0) + 1
-            r["modes"][s.mode] = r["modes"].get(s.mode, 0) + 1
+            if s.mode not in NOT_DECODING:  # the shares are of decoding steps
+                plan = s.mode + (f"/B{s.block}" if s.block else "") + (f"/m{s.branches:g}" if s.mode == "parallel" else "")
+                r["plans"][plan] = r["plans"].get(plan, 0) + 1
+                r["modes"][s.mode] = r["modes"].get(s.mode, 0) + 1
             for k, v in s.forward_seconds.items():
                 r["forward"][k] = r["forward"].get(k, 0.0) + v
             r["accepted"] += s.accepted
