@@ -470,7 +470,8 @@ def test_a_killed_replica_is_replaced_and_later_requests_succeed(apps):
 
 def test_a_replica_whose_engine_loop_died_is_replaced_and_serves_again(apps):
     """The test-only fault hook ends `elastic`'s engine loop as a bug would: /health answers 503 and a request
-    gets 503 at once (nobody hangs); Serve's health check fails, the replica is replaced, and the new one serves."""
+    gets 503 at once (nobody hangs); Serve's health check fails, the replica is replaced, and the new one serves;
+    the dead replica's MLflow serving run ended FAILED."""
     from ray import serve
 
     url = f"{URL}/elastic"
@@ -496,6 +497,12 @@ def test_a_replica_whose_engine_loop_died_is_replaced_and_serves_again(apps):
     assert states[-1][1] == 200 and states[-1][2] != before, states
     ok = httpx.post(f"{url}/v1/completions", headers=AUTH, timeout=60, json={"prompt": "hi", "max_tokens": 4})
     assert ok.status_code == 200
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{apps['tiny'].home / 'mlflow.db'}")
+    run, = client.search_runs([client.get_experiment_by_name("flexdraft-serve").experiment_id],
+                              f"tags.replica = '{before}'")
+    assert run.info.status == "FAILED"
 
 
 @pytest.mark.real_model

@@ -256,6 +256,34 @@ def test_calls_time_out_and_drain_lets_running_requests_finish(parts):
     assert wait_for(lambda: not ae.alive)
 
 
+def test_serving_runs_end_with_their_replica_and_silent_ones_are_ended_by_the_next(parts, tmp_path, monkeypatch):
+    """A serving run ends FINISHED when its replica stops and FAILED when its engine died; a RUNNING run of the same
+    app and deployment without a heartbeat for 3 report intervals (+30 s) is ended KILLED, with the reason, by the
+    next replica to start; another app's silent run is not its to end."""
+    from mlflow.tracking import MlflowClient
+
+    from flexdraft.serving.mlflow_reporter import ENDED, HEARTBEAT, MlflowReporter
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    client, ae = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db"), AsyncEngine(engine(parts))
+    tags = {"app": "a", "deployment": "FlexDraftServer", "replica": "r1"}
+    gone, elsewhere = (MlflowReporter(ae, {}, name, t, every_s=1.0) for name, t in
+                       (("r1", tags), ("b1", {**tags, "app": "b", "replica": "b1"})))
+    for r in (gone, elsewhere):  # their replicas die: no more reports, nothing ends the runs
+        r._stop.set()
+        r._thread.join(5)
+        client.set_tag(r.run_id, HEARTBEAT, str(int(time.time()) - 40))
+    fresh = MlflowReporter(ae, {}, "r2", {**tags, "replica": "r2"}, every_s=1.0)
+    assert fresh.ended == [gone.run_id]
+    killed = client.get_run(gone.run_id)
+    assert killed.info.status == "KILLED" and "ended by r2" in killed.data.tags[ENDED]
+    assert client.get_run(elsewhere.run_id).info.status == "RUNNING"
+    fresh.stop()
+    elsewhere.stop("FAILED")
+    assert [client.get_run(r.run_id).info.status for r in (fresh, elsewhere)] == ["FINISHED", "FAILED"]
+    ae.shutdown()
+
+
 def test_live_knobs_change_the_running_engine_and_others_need_a_new_one(parts):
     base = from_dict(ServeConfig, {"engine": {"switch_batch": 4}})
     live = from_dict(ServeConfig, {"engine": {"switch_batch": 1, "top_m": 2}})

@@ -1,4 +1,6 @@
-"""A replica's serving run in MLflow: the AsyncEngine's rates over time."""
+"""A replica's serving run in MLflow: the AsyncEngine's rates over time, and a run state that follows the replica
+(FINISHED when it shuts down, FAILED when its engine loop died, KILLED when a later replica of the same deployment
+finds it gone without a heartbeat)."""
 from __future__ import annotations
 
 import threading
@@ -6,6 +8,10 @@ import time
 
 from flexdraft.core import logs
 from flexdraft.serving.async_engine import AsyncEngine
+
+
+HEARTBEAT = "flexdraft.heartbeat"  # tag: epoch seconds of the run's last report
+ENDED = "flexdraft.ended"  # tag: why a run was ended by someone other than its replica
 
 
 class MlflowReporter:
@@ -22,7 +28,11 @@ class MlflowReporter:
         self.engine, self.every_s = engine, every_s
         self.client = MlflowClient(ready_store())
         exp_id = experiment_id(self.client, experiment)
-        self.run_id = self.client.create_run(exp_id, run_name=run_name, tags=tags or {}).info.run_id
+        tags = tags or {}
+        self.ended = end_silent_runs(self.client, exp_id, tags, stale_s=3 * every_s + 30,
+                                     by=tags.get("replica", run_name))
+        self.run_id = self.client.create_run(exp_id, run_name=run_name,
+                                             tags={**tags, HEARTBEAT: str(int(time.time()))}).info.run_id
         for key, value in list(flatten(params).items())[:100]:
             self.client.log_param(self.run_id, key, str(value)[:500])
         self.t0 = time.time()
@@ -37,9 +47,9 @@ class MlflowReporter:
         t_prev, prev = self._last
         self._last = (now, totals)
         d = totals.delta(prev)
-        dt, steps = max(now - t_prev, 1e-9), d.num_steps
+        dt, steps = max(now - t_prev, 1e-9), sum(d.steps_by_mode.values())  # decoding steps
         load = self.engine.load()
-        metrics = {"serve/tokens_per_s": d.num_tokens / dt, "serve/steps_per_s": steps / dt,
+        metrics = {"serve/tokens_per_s": d.num_tokens / dt, "serve/steps_per_s": d.num_steps / dt,
                    **{f"serve/{k}": load[k] for k in ("running", "waiting", "streams")},
                    "serve/aborted_total": load["aborted"], "serve/failed_steps_total": load["failed_steps"]}
         if steps:
@@ -49,10 +59,11 @@ class MlflowReporter:
         if d.num_drafts:
             metrics["spec_decode/mean_accepted_length"] = d.mean_accepted_length
             metrics["spec_decode/draft_acceptance_rate"] = d.draft_acceptance_rate
-        from mlflow.entities import Metric
+        from mlflow.entities import Metric, RunTag
 
         ts, step = int(now * 1000), int(now - self.t0)
-        self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), ts, step) for k, v in metrics.items()])
+        self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), ts, step) for k, v in metrics.items()],
+                              tags=[RunTag(HEARTBEAT, str(int(now)))])
         return metrics
 
     def _loop(self) -> None:
@@ -62,11 +73,27 @@ class MlflowReporter:
             except Exception:  # noqa: BLE001 - a tracking hiccup must not stop serving
                 logs.get("serve").exception("MLflow report failed")
 
-    def stop(self) -> None:
+    def stop(self, status: str = "FINISHED") -> None:
+        """The last point, then the run ends with `status` (FINISHED, or FAILED for a replica whose engine died)."""
         self._stop.set()
         self._thread.join(5)
         try:
             self.report()
-            self.client.set_terminated(self.run_id)
+            self.client.set_terminated(self.run_id, status)
         except Exception:  # noqa: BLE001
             logs.get("serve").exception("MLflow report failed")
+
+
+def end_silent_runs(client, experiment_id: str, tags: dict, stale_s: float, by: str) -> list[str]:
+    """End as KILLED the RUNNING serving runs of the same app and deployment whose last heartbeat is older than
+    `stale_s`: their replicas died without ending them (a killed process, a lost node). -> their run ids."""
+    filters = " and ".join(["attributes.status = 'RUNNING'"] + [
+        f"tags.{key} = '{tags[key]}'" for key in ("app", "deployment") if key in tags])
+    now, ended = time.time(), []
+    for run in client.search_runs([experiment_id], filters, max_results=1000):
+        beat = float(run.data.tags.get(HEARTBEAT, run.info.start_time / 1000))
+        if now - beat > stale_s:
+            client.set_tag(run.info.run_id, ENDED, f"no heartbeat for {now - beat:.0f} s; ended by {by}")
+            client.set_terminated(run.info.run_id, "KILLED")
+            ended.append(run.info.run_id)
+    return ended

@@ -253,6 +253,9 @@ class FlexDraftServer:
                     every_s=cfg.mlflow_every_s)
             except Exception:  # noqa: BLE001 - an unreachable tracking store must not stop serving
                 log.exception("no MLflow serving run: the tracking store failed")
+            else:
+                for run_id in self.reporter.ended:
+                    log.info(f"serving run {run_id} of a replica gone without a heartbeat: ended as KILLED")
         if old_reporter is not None:
             old_reporter.stop()
         if old is not None:
@@ -261,6 +264,9 @@ class FlexDraftServer:
     def check_health(self) -> None:
         """Serve's health check: a replica whose engine loop died is restarted."""
         if self.engine is not None and not self.engine.alive:
+            if self.reporter is not None:  # its serving run says how the replica ended
+                self.reporter, reporter = None, self.reporter
+                reporter.stop("FAILED")
             raise RuntimeError(f"the engine loop is not running: {self.engine.death or 'shut down'}")
 
     def inject_fault(self, kind: str) -> None:
