@@ -14,7 +14,8 @@ def cmd_demo(args) -> None:
 
 
 def register(sub) -> None:
-    d = sub.add_parser("demo", help="the tour: train a drafter on a demo budget, benchmark it, serve it (~20 min)")
+    d = sub.add_parser("demo", help="the tour: train a drafter on a demo budget, benchmark it, serve it "
+                       "(~16 min after set-up)")
     d.add_argument("--config", help="pipeline YAML (default: configs/demo.yaml)")
     d.add_argument("--bench-config", help="harness YAML (default: configs/bench/demo.yaml)")
     add_console_flags(d)

@@ -113,6 +113,11 @@ class HarnessConfig:
                               top_p=self.top_p, seed=self.seed)
 
 
+def _eta(elapsed: float, done: int, total: int) -> str:
+    """", ~N min left" at the pace of the units done so far (a progress line's estimate; "" before the first)."""
+    return f", ~{elapsed / done * (total - done) / 60:.1f} min left" if done else ""
+
+
 def load_harness_config(path: str | Path) -> HarnessConfig:
     return load_yaml(HarnessConfig, path)
 
@@ -329,12 +334,13 @@ def run_harness(cfg: HarnessConfig) -> dict:
     rows, cells = [], len(cfg.batch_sizes) * len(datasets)
     name = f"bench-{'-'.join(cfg.datasets)}-b{','.join(map(str, cfg.batch_sizes))}"
     with start_run(cfg.mlflow_experiment, {**asdict(cfg), "drafter_source": choice.source}, run_name=name) as run:
+        t_cells = time.perf_counter()
         for bi, batch in enumerate(cfg.batch_sizes):
             engines = _engines(lm, choice, store, cfg, batch, max_len)
             for di, d in enumerate(datasets):
-                cell = prompts[d][:max(cfg.samples, batch)]
-                log.info(f"{bi * len(datasets) + di + 1}/{cells}: {d}, batch {batch}, {len(cell)} prompts, "
-                    f"<= {cfg.max_new_tokens} new tokens each")
+                cell, k = prompts[d][:max(cfg.samples, batch)], bi * len(datasets) + di
+                log.info(f"{k + 1}/{cells}: {d}, batch {batch}, {len(cell)} prompts, "
+                         f"<= {cfg.max_new_tokens} new tokens each{_eta(time.perf_counter() - t_cells, k, cells)}")
                 for row in run_cell(engines, hf, cell, batch, cfg):
                     row["dataset"] = d
                     rows.append(row)

@@ -250,9 +250,11 @@ class Worker:
                     metrics.update(self.evaluate())
                     clock.exclude(time.perf_counter() - t_eval)
                 if rank == 0:
+                    pace = (time.perf_counter() - self.t_run) / (done - start)  # this attempt's s/step
                     log(self.stage, f"step {done}/{plan.steps} loss {metrics['train/loss']:.3f} "
                                     f"lr {metrics['train/lr']:.2e} {metrics['train/seq_tokens_per_s']:.0f} seq tok/s "
-                                    f"{metrics['train/blocks_per_s']:.1f} blocks/s")
+                                    f"{metrics['train/blocks_per_s']:.1f} blocks/s, "
+                                    f"~{(plan.steps - done) * pace / 60:.1f} min left")
                 self.report(metrics, done, save=done % tc.checkpoint_every == 0 or done == plan.steps)
                 window = Window()
             step = done
