@@ -5,8 +5,8 @@ stdout and stderr come through `run_quiet`: every line goes to the log (named on
 terminal gets the command's own lines, the `[stage] ...` lines of its Ray actors without Ray's `(Actor pid=N)`
 prefix, and anything the driver prints that is not a library's log, warning, progress bar or Ray Tune table. A
 real failure still prints (the error, or the driver's traceback) followed by the log's path; Ctrl-C stops the
-command as it would without the filter. `--verbose`, or
-FLEXDRAFT_VERBOSE=1, runs the command in this process with everything shown.
+command as it would without the filter. `--verbose`, or FLEXDRAFT_VERBOSE=1, runs the command in this process
+with everything shown.
 """
 from __future__ import annotations
 
