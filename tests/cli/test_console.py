@@ -1,5 +1,8 @@
 """The quiet terminal of long commands (cli/console.py): FlexDraft's lines on the terminal, everything in a log."""
+import os
 import re
+import signal
+import time
 
 import pytest
 
@@ -72,3 +75,21 @@ def test_a_failing_command_shows_its_error_and_the_log_holds_everything(tmp_path
     assert re.search(r"flexdraft: error: .*batch_size", out)
     log, = (tmp_path / "logs").glob("bench-*.log")
     assert str(log) in err and "flexdraft: error:" in log.read_text()
+
+
+def test_the_command_ending_ends_the_wait_even_if_a_process_it_left_holds_the_pipe(tmp_path, monkeypatch, capsys):
+    """A command that leaves a process running with its stdout (as a daemon it started could): run_quiet returns
+    the command's status as soon as the command ends, with its lines shown, instead of waiting for the pipe."""
+    monkeypatch.setenv("FLEXDRAFT_HOME", str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    (tmp_path / "leaver.py").write_text(
+        "import subprocess, sys\n"
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+        "print(f'[leaver] left {p.pid} running', flush=True)\n"
+        "sys.exit(3)\n")
+    t0 = time.time()
+    assert console.run_quiet([], "leaver", module="leaver") == 3
+    assert time.time() - t0 < 30
+    out = capsys.readouterr().out
+    pid = int(re.search(r"\[leaver\] left (\d+) running", out)[1])
+    os.kill(pid, signal.SIGKILL)

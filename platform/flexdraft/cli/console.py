@@ -15,6 +15,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -76,33 +77,47 @@ def log_path(command: str) -> Path:
     return data_dir() / "logs" / f"{command.replace(' ', '-')}-{time.strftime('%Y%m%d-%H%M%S')}.log"
 
 
-def run_quiet(argv: list[str], command: str) -> int:
-    """Run `flexdraft argv` as a child, teeing it into a log file and the filtered lines onto stdout; -> its exit
-    status. The child runs in its own session: a Ctrl-C (or SIGTERM, SIGHUP) reaches it once, forwarded from here,
-    so the cleanup it starts on the first is not cut short by the terminal signalling its Ray processes too."""
+def run_quiet(argv: list[str], command: str, module: str = "flexdraft.cli.main") -> int:
+    """Run `python -m module argv` (the flexdraft command) as a child, teeing it into a log file and the filtered
+    lines onto stdout; -> its exit status. The child runs in its own session: a Ctrl-C (or SIGTERM, SIGHUP) reaches
+    it once, forwarded from here, so the cleanup it starts on the first is not cut short by the terminal signalling
+    its Ray processes too. Its end ends the wait: a process it left running that still holds the pipe is not waited
+    for."""
     log = log_path(command)
     log.parent.mkdir(parents=True, exist_ok=True)
     print(f"[flexdraft] the libraries' output (Ray, DeepSpeed, MLflow, transformers) goes to {log}; "
           f"--verbose shows it here", file=sys.stderr, flush=True)
     env = dict(os.environ, **{CHILD: "1", "PYTHONUNBUFFERED": "1"})
-    keep = Filter()
     forwarded = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     previous = {sig: signal.getsignal(sig) for sig in forwarded}
-    with open(log, "w", buffering=1) as out, subprocess.Popen(
-            [sys.executable, "-m", "flexdraft.cli.main", *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            env=env, text=True, errors="replace", bufsize=1, start_new_session=True) as proc:
+    with open(log, "w", buffering=1) as out:
+        proc = subprocess.Popen([sys.executable, "-m", module, *argv], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, env=env, text=True, errors="replace", bufsize=1,
+                                start_new_session=True)
+        reader = threading.Thread(target=_pump, args=(proc.stdout, out, Filter()), name="flexdraft-console",
+                                  daemon=True)
         try:
             for sig in forwarded:
                 signal.signal(sig, lambda signum, _frame: proc.send_signal(signum))
-            for raw in proc.stdout:
-                out.write(raw)
-                shown = keep(raw)
-                if shown is not None:
-                    print(shown, flush=True)
+            reader.start()
             code = proc.wait()
+            reader.join(timeout=5)  # what the child printed last
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
     if code not in (0, 130):
         print(f"[flexdraft] {command} failed (exit status {code}); everything it printed: {log}", file=sys.stderr)
     return code
+
+
+def _pump(stream, log, keep: Filter) -> None:
+    """Every line into the log, the kept ones onto stdout, until the pipe closes (or the log does: the command
+    has ended and `run_quiet` returned)."""
+    try:
+        for raw in stream:
+            log.write(raw)
+            shown = keep(raw)
+            if shown is not None:
+                print(shown, flush=True)
+    except ValueError:  # the log was closed under us
+        pass
