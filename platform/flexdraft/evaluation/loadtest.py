@@ -120,6 +120,11 @@ def summarize(outcomes: list[Outcome], wall: float) -> dict:
             "error_samples": sorted({o.error or f"HTTP {o.status}" for o in outcomes if o not in ok})[:3]}
 
 
+def endpoints_of(r: dict) -> list[tuple[str, dict]]:
+    """A level's results by endpoint: the one under test ("target"), then the baseline and the compared ones."""
+    return [("target", r), *([("baseline", r["baseline"])] if "baseline" in r else []), *r.get("compare", {}).items()]
+
+
 def table(results: dict[int, dict]) -> str:
     """A row per concurrency level and endpoint: the one under test, then the baseline and the compared ones, each
     with its tok/s ratio to the baseline."""
@@ -127,9 +132,7 @@ def table(results: dict[int, dict]) -> str:
     lines = ["| concurrency | endpoint | tok/s | speed-up | TTFT p50/p99 ms | TPOT p50/p99 ms | e2e p50/p99 ms | "
              "errors | accepted len |", "|---|---|---|---|---|---|---|---|---|"]
     for c, r in results.items():
-        rows = [("target", r)] + ([("baseline", r["baseline"])] if "baseline" in r else [])
-        rows += list(r.get("compare", {}).items())
-        for name, x in rows:
+        for name, x in endpoints_of(r):
             ratio = f"{x['speedup']:.2f}x" if "speedup" in x else "1.00x" if name == "baseline" else "-"
             acc = "-" if x["mean_accepted_length"] is None else f"{x['mean_accepted_length']:.2f}"
             lines.append(f"| {c} | {name} | {x['tokens_per_s']:.1f} | {ratio} | "
@@ -171,10 +174,11 @@ def run_loadtest(url: str, dataset: str, concurrency: list[int], requests: int, 
     if compare and ({"target", "baseline"} & compare.keys()):
         raise FlexDraftError("'target' and 'baseline' name --url and --baseline: name compared endpoints otherwise")
     for name, u in (({"baseline": baseline} if baseline else {}) | (compare or {})).items():
-        if check_url(u) in endpoints.values():
+        checked = check_url(u)
+        if checked in endpoints.values():
             raise FlexDraftError(f"{name} ({u}) is an endpoint already measured (the one under test is {url}): "
                                  "each endpoint once, e.g. the app in mode ar as the baseline")
-        endpoints[name] = check_url(u)
+        endpoints[name] = checked
     if requests < 1 or not concurrency or min(concurrency) < 1 or max_tokens < 1:
         raise FlexDraftError("requests, every concurrency and max_tokens must be >= 1")
     prompts = prompts_of(dataset)
@@ -200,7 +204,7 @@ def run_loadtest(url: str, dataset: str, concurrency: list[int], requests: int, 
         log.info(f"concurrency {c}: " + "; ".join(
             f"{name} {x['tokens_per_s']:.1f} tok/s, {x['errors']} errors"
             + (f" ({x['speedup']:.2f}x)" if "speedup" in x else "")
-            for name, x in [("target", r), *([("baseline", r["baseline"])] if baseline else []), *summary.items()]))
+            for name, x in endpoints_of(r)))
     print(table(results))
     if output:
         path = Path(output)
@@ -223,7 +227,6 @@ def _track(params: dict, results: dict) -> None:
     numbers = lambda r, prefix="": {prefix + k: v for k, v in r.items() if isinstance(v, (int, float))}
     with start_run("flexdraft-loadtest", params, run_name=f"loadtest-{params['dataset']}"):
         for c, r in results.items():
-            others = {"baseline": r.get("baseline", {}), **r.get("compare", {})}
-            mlflow.log_metrics({**numbers(r), **{k: v for name, x in others.items()
-                                                 for k, v in numbers(x, f"{name}/").items()}}, step=c)
+            mlflow.log_metrics({k: v for name, x in endpoints_of(r)
+                                for k, v in numbers(x, "" if name == "target" else f"{name}/").items()}, step=c)
 
