@@ -9,8 +9,7 @@ Per row the engine holds `lens` (tokens in the cache), `bonus` (the last emitted
 it sits at position lens) and `ndrafts` drafts d_1.. for positions lens+1.. with their confidences (and
 their full distributions q for sampled rows); `from_branch` says whether a parallel branch made them. A step
 reads plan -> propose -> verify -> commit -> retire:
-  1. admit waiting requests (prefill, draw the first token: the row's bonus; such a step ends there, so first
-     tokens stream after the prefill alone), else plan the step (`plan`);
+  1. admit waiting requests (prefill, draw the first token: the row's bonus; a step that admits ends there), or plan;
   2. propose: rows without drafts (fresh, pruned, after an AR or lookup step) get a drafter pass with the bonus
      known in slot 0 (`proposers.DrafterProposer`); a lookup step's drafts are prompt-lookup and n-gram-store
      chains (`proposers.LookupProposer`), several per row verified as one token trie, with no drafter;
@@ -193,7 +192,6 @@ class Engine:
         out = self._admit()  # a step that admits ends with the first tokens: they stream after the prefill alone
         self._retire()
         n = len(self.slots)
-        stats.mode = PREFILL if stats.admitted else IDLE
         if n and not stats.admitted:
             caps = torch.tensor(draft_caps(self.slots[:n], self.B, self.config.online), dtype=torch.long,
                                 device=self.target.device)
@@ -287,7 +285,8 @@ class Engine:
         new.sort(key=lambda r: -(len(r.prompt) + len(r.tokens)))
         n0 = len(self.slots)
         self.slots.extend(new)  # rows first: a prefill that raises leaves them to `recover`, not lost
-        self.last_stats.admitted, self.last_stats.admitted_ids = len(new), [r.id for r in new]
+        stats = self.last_stats  # a prefill step: its rows decode from the next step on
+        stats.mode, stats.admitted, stats.admitted_ids = PREFILL, len(new), [r.id for r in new]
         rows = torch.arange(n0, n0 + len(new), device=self.target.device)
         view = self.cache.rows(n0, n0 + len(new))
         h = self.timed("prefill", lambda: prefill(self.target, view, [r.prompt + r.tokens for r in new]))
