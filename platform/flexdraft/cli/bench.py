@@ -78,7 +78,7 @@ def register(sub) -> None:
     b = sub.add_parser("bench", help="datasets x batch sizes x methods (baselines, FlexDraft modes, ablations)")
     b.add_argument("--config", help="harness YAML (default: the embedded defaults, configs/bench/default.yaml)")
     b.add_argument("--full", action="store_true", help=f"the bigger run of {FULL_BENCH_CONFIG}")
-    b.add_argument("--drafter", help="drafter folder or 'init' (default: the config's, else the default pipeline's)")
+    b.add_argument("--drafter", help="drafter folder, models:/NAME/VERSION or models:/NAME@ALIAS (MLflow registry), or 'init' (untrained) (default: the config's, else the default pipeline's)")
     b.add_argument("--store", help="n-gram store: a file, a distill folder or 'none' (default: the config's)")
     b.add_argument("--device", help="override the config's device")
     b.add_argument("--dtype", help="override the config's dtype")

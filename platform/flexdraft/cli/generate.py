@@ -78,9 +78,10 @@ def register(sub) -> None:
     g.add_argument("--top-p", type=float)
     g.add_argument("--top-k", type=int)
     g.add_argument("--seed", type=int)
-    g.add_argument("--drafter", help="drafter folder, or 'init' (untrained); default: the default pipeline's")
+    g.add_argument("--drafter", help="drafter folder, models:/NAME/VERSION or models:/NAME@ALIAS (MLflow registry), or 'init' (untrained); default: the default pipeline's")
     g.add_argument("--policy", help="a policy file from `flexdraft sweep` (mode, B', pruning per live batch size, "
-                                    "and S; it overrides those flags); refused for another model or drafter")
+                                    "and S; it overrides those flags), or models:/NAME/VERSION for the policy a "
+                                    "sweep attached to that drafter; refused for another model or drafter")
     g.add_argument("--store", help="n-gram store for lookup steps: a store file, a distill folder, or 'none' "
                                    "(default: the default pipeline's distilled data, when it exists)")
     add_engine_flags(g)

@@ -1,15 +1,15 @@
-"""`flexdraft` command line: one module per command group (generate, bench, train, serve, cluster, env, demo);
+"""`flexdraft` command line: one module per command group (generate, bench, train, drafters, serve, cluster, env, demo);
 this one builds the parser from their `register`s and runs the chosen command."""
 from __future__ import annotations
 
 import argparse
 import sys
 
-from flexdraft.cli import bench, cluster, console, demo_cmd, env, generate, serve, train
+from flexdraft.cli import bench, cluster, console, demo_cmd, drafters, env, generate, serve, train
 from flexdraft.core import logs
 from flexdraft.core.errors import FlexDraftError
 
-GROUPS = (generate, bench, train, cluster, env, serve, demo_cmd)
+GROUPS = (generate, bench, train, drafters, cluster, env, serve, demo_cmd)
 
 
 def build_parser() -> argparse.ArgumentParser:

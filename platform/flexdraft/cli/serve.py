@@ -53,7 +53,8 @@ def register(sub) -> None:
     s = sub.add_parser("serve", help="the OpenAI-compatible Ray Serve app (serve run serve/config.yaml)")
     s.add_argument("--config", default=SERVE_CONFIG, help="Serve config file (default: the packaged one)")
     s.add_argument("--model", help="override user_config.model")
-    s.add_argument("--drafter", help="override user_config.drafter (a folder, 'init', '' = the default pipeline's)")
+    s.add_argument("--drafter", help="override user_config.drafter (a folder, models:/NAME@ALIAS, 'init', '' = the default "
+                                     "pipeline's)")
     s.add_argument("--store", help="override user_config.store")
     s.add_argument("--mode", help="override user_config.engine.mode")
     s.add_argument("--num-cpus", type=float, help="override each replica's ray_actor_options.num_cpus (its threads)")

@@ -36,7 +36,8 @@ def register(sub) -> None:
     w = sub.add_parser("sweep", help="Ray Tune sweep of decode-time or training-time settings -> a policy file")
     w.add_argument("--config", default="tuning/configs/decode.yaml",
                    help="sweep YAML (repository paths resolve to the packaged copies from anywhere)")
-    w.add_argument("--drafter", help="decode sweeps: the drafter to sweep over (default: the config's)")
+    w.add_argument("--drafter", help="decode sweeps: the drafter to sweep over, a folder or models:/... (a registered "
+                                     "version gets the exported policy attached; default: the config's)")
     w.add_argument("--resume", action="store_true", help="continue the interrupted sweep of this name")
     add_console_flags(w)
     w.set_defaults(func=cmd_sweep)

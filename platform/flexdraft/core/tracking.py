@@ -19,6 +19,9 @@ from flexdraft.core.hardware import probe
 
 
 def tracking_uri() -> str:
+    """MLFLOW_TRACKING_URI, else the SQLite store under the data dir. (Also turns off MLflow's artifact progress
+    bars unless asked for: model logs and downloads would print one per file into every log.)"""
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{data_dir() / 'mlflow.db'}"
 
 

@@ -12,13 +12,15 @@ import torch
 
 from flexdraft.core import logs
 from flexdraft.core.config import RuntimeConfig, data_dir
-from flexdraft.drafter.model import WEIGHTS, Drafter, DrafterConfig, load_drafter, read_drafter_meta, weights_fingerprint
+from flexdraft.drafter import registry
+from flexdraft.drafter.model import Drafter, DrafterConfig, load_drafter, read_drafter_meta, weights_fingerprint
 from flexdraft.engine.engine import Engine
 from flexdraft.engine.config import NO_DRAFTER, EngineConfig
 from flexdraft.core.errors import FlexDraftError
 from flexdraft.speculative.lookup import NgramStore
 from flexdraft.models.loading import LoadedModel, load_model
 from flexdraft.drafter.recipe import PipelineConfig, default_drafter_dir
+from flexdraft.drafter.registry import Version
 from flexdraft.speculative.policy_file import Policy, load_policy
 
 
@@ -28,34 +30,55 @@ PROFILE_FORMAT = 15  # bump when Engine.profile measures other shapes or passes,
 @dataclass
 class DrafterChoice:
     drafter: Drafter | None
-    source: str  # a folder, "init", or "" (none)
+    source: str  # a folder, a models:/ URI, "init", or "" (none)
     prior: dict | None  # the drafter's validation agreement (seeds the acceptance model)
     fingerprint: str = ""  # of its weights file ("init-k<k>-B<B>" for init): what a policy is measured for
+    version: Version | None = None  # the registered version a models:/ source resolved to
 
 
 def resolve_drafter(spec: str | None, target, required: bool) -> DrafterChoice:
-    """spec: a drafter folder, "init" (projectors copied from the target, calibration zero: lossless, slow),
-    or None = the default pipeline's drafter if it exists, made ready for inference beside `target`.
-    required: a speculative mode was asked for."""
+    """spec: a drafter folder, a models:/ URI (`drafter.registry`: downloaded once, refused before its download
+    when registered for other target weights), "init" (projectors copied from the target, calibration zero:
+    lossless, slow), or None = the default pipeline's drafter if it exists, made ready for inference beside
+    `target`. required: a speculative mode was asked for."""
     if spec == "init":  # the default shape, with fewer tuned layers on a model too shallow for it
         cfg = DrafterConfig()
         cfg.k = min(cfg.k, max(1, target.args.n_layers // 2))
         return DrafterChoice(Drafter.from_target(target, cfg).to_runtime(target), "init", None,
                              f"init-k{cfg.k}-B{cfg.block_size}")
-    folder = Path(spec).expanduser() if spec else default_drafter_dir()
+    version = None
+    if registry.is_model_uri(spec):
+        folder, version = registry.resolve(spec, weights_fingerprint(target))
+    else:
+        folder = Path(spec).expanduser() if spec else default_drafter_dir()
     if not spec and not (folder / "drafter.json").is_file():
         if required:
             raise FlexDraftError(f"no drafter given and the default one ({folder}) does not exist: train it with "
-                                 "`flexdraft pipeline`, pass --drafter PATH, or --drafter init (untrained)")
+                                 "`flexdraft pipeline`, pass --drafter PATH|models:/NAME@ALIAS, or --drafter init "
+                                 "(untrained)")
         return DrafterChoice(None, "", None)
     drafter = load_drafter(folder, target).to_runtime(target)
-    digest = hashlib.sha256((folder / WEIGHTS).read_bytes()).hexdigest()[:16]
-    return DrafterChoice(drafter, str(folder), read_drafter_meta(folder).get("eval"), digest)
+    source = f"{spec} (version {version.version})" if version and not spec.endswith(f"/{version.version}") else spec
+    return DrafterChoice(drafter, source or str(folder), read_drafter_meta(folder).get("eval"),
+                         registry.weights_digest(folder), version)
+
+
+def provenance(choice: DrafterChoice) -> dict[str, str]:
+    """What a run or a served engine records about its drafter (as `flexdraft.<key>` tags): its source, weights
+    digest and, for a registered one, its version and LoggedModel (what `flexdraft report` finds runs by)."""
+    if choice.drafter is None:
+        return {}
+    v = choice.version
+    return {"drafter": choice.source, "drafter_digest": choice.fingerprint,
+            **({"drafter_version": v.uri, "drafter_model_id": v.model_id} if v else {})}
 
 
 def resolve_policy(path: str, target, choice: DrafterChoice) -> Policy:
-    """Load a policy file for this target and drafter: one measured for another is refused; one measured on
-    another device, dtype or thread count is used with a warning (lossless anyway, maybe slower)."""
+    """Load a policy file (or the one attached to a registered drafter version: models:/...) for this target and
+    drafter: one measured for another is refused; one measured on another device, dtype or thread count is used
+    with a warning (lossless anyway, maybe slower)."""
+    if registry.is_model_uri(path):  # the policy a sweep attached to that registered version
+        path = str(registry.attached_policy(path))
     policy = load_policy(path)
     if choice.drafter is None:
         raise FlexDraftError(f"policy {path} needs a drafter (it was tuned for {policy.drafter.get('path')}): "
@@ -118,13 +141,17 @@ def seed_costs(engine: Engine) -> None:
 
 
 def build_engine(lm: LoadedModel, choice: DrafterChoice, cfg: EngineConfig, store: NgramStore | None,
-                 policy: Policy | None = None) -> Engine:
+                 policy: Policy | None = None, policy_source: str = "") -> Engine:
     """An engine over a loaded model: the drafter where the mode uses one, seeded with the drafter's validation
-    agreement, the policy's bands if given (`resolve_policy`), and (adaptive) the cost profile `seed_costs` loads
-    or measures."""
+    agreement, the policy's bands if given (`resolve_policy`; policy_source: its file or models:/ URI), and
+    (adaptive) the cost profile `seed_costs` loads or measures. Its `provenance` names the drafter (and its
+    registered version) and the policy."""
     use_drafter = cfg.mode not in NO_DRAFTER or policy is not None
     engine = Engine(lm.model, choice.drafter if use_drafter else None, cfg, lm.eos_token_ids,
                     acceptance_prior=choice.prior, store=store, policy=policy)
+    if engine.drafter is not None:
+        engine.provenance = {**provenance(choice),
+                             **({"policy": policy_source} if policy is not None and policy_source else {})}
     seed_costs(engine)
     return engine
 
@@ -152,4 +179,4 @@ def load_engine(model: str, runtime: RuntimeConfig, drafter_spec: str | None, cf
     m = lm.model
     note = note[:-1] + (f"; {m.device.type} {str(m.dtype).removeprefix('torch.')} (dtype {runtime.dtype}), "
                         f"prepacked {m.lm_head.packed is not None}]")
-    return lm, build_engine(lm, choice, cfg, store, policy), note
+    return lm, build_engine(lm, choice, cfg, store, policy, policy_spec or ""), note

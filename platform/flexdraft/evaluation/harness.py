@@ -34,7 +34,8 @@ from flexdraft.core.errors import FlexDraftError
 from flexdraft.speculative.sampling import SamplingParams
 from flexdraft.engine.ar import generate
 from flexdraft.models.loading import load_model
-from flexdraft.engine.runner import build_engine, resolve_drafter, resolve_policy, resolve_store
+from flexdraft.drafter.registry import set_tags
+from flexdraft.engine.runner import build_engine, provenance, resolve_drafter, resolve_policy, resolve_store
 
 
 log = logs.get("bench")
@@ -334,6 +335,7 @@ def run_harness(cfg: HarnessConfig) -> dict:
     rows, cells = [], len(cfg.batch_sizes) * len(datasets)
     name = f"bench-{'-'.join(cfg.datasets)}-b{','.join(map(str, cfg.batch_sizes))}"
     with start_run(cfg.mlflow_experiment, {**asdict(cfg), "drafter_source": choice.source}, run_name=name) as run:
+        mlflow.set_tags({f"flexdraft.{k}": v for k, v in provenance(choice).items()})
         t_cells = time.perf_counter()
         for bi, batch in enumerate(cfg.batch_sizes):
             engines = _engines(lm, choice, store, cfg, batch, max_len)
@@ -363,8 +365,11 @@ def run_harness(cfg: HarnessConfig) -> dict:
         (out / "results.md").write_text(report(results) + (f"\n\n## One step, profiled\n\n```\n{profile}\n```\n"
                                                             if profile else ""))
         plot(results, out)
-        mlflow.log_metrics({f"mean_speedup_ar.{m}.b{b}": v for m, per in results["summary"].items()
-                            for b, v in per.items()})
+        mean_speedups = {f"mean_speedup_ar.{m}.b{b}": v for m, per in results["summary"].items() for b, v in per.items()}
+        mlflow.log_metrics(mean_speedups)
+        if choice.version is not None:  # a registered drafter: its LoggedModel shows these beside its validation
+            mlflow.log_metrics(mean_speedups, model_id=choice.version.model_id)
+            set_tags(choice.version, {"bench.last_run": run.info.run_id})
         mlflow.log_artifacts(str(out))
         if results["noise_floor"]:
             log.info(f"{results['noise_floor']}")

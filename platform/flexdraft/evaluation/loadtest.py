@@ -213,20 +213,45 @@ def run_loadtest(url: str, dataset: str, concurrency: list[int], requests: int, 
                                     "stream": stream, "max_tokens": max_tokens, "results": results}, indent=1))
         log.info(f"results in {path}")
     _track({"url": url, "baseline": baseline or "", "dataset": dataset, "stream": stream, "max_tokens": max_tokens,
-            "requests_per_level": requests, **{f"compare/{k}": v for k, v in (compare or {}).items()}}, results)
+            "requests_per_level": requests, **{f"compare/{k}": v for k, v in (compare or {}).items()}}, results,
+           served_card(base, headers))
     return results
 
 
-def _track(params: dict, results: dict) -> None:
+def served_card(base: str, headers: dict) -> dict[str, str]:
+    """What the endpoint says it serves (`/v1/models`' `flexdraft` field: app, deployment, drafter and its
+    registered version, policy); {} from a server that does not say."""
+    import httpx
+
+    try:
+        data = httpx.get(f"{base}/v1/models", headers=headers, timeout=10).json()["data"][0]
+        return {k: str(v) for k, v in (data.get("flexdraft") or {}).items()}
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError, AttributeError):
+        return {}
+
+
+def _track(params: dict, results: dict, card: dict[str, str]) -> None:
     """An MLflow run in `flexdraft-loadtest`: each level's numbers at step = concurrency (baseline/ and each compared
-    endpoint's name/ prefixed)."""
+    endpoint's name/ prefixed), tagged with what the target serves (`served_card`). Against a registered drafter
+    the speed-ups are also linked to its LoggedModel and summarised in tags on its version."""
     import mlflow
 
     from flexdraft.core.tracking import start_run
+    from flexdraft.drafter.registry import set_tags
 
     numbers = lambda r, prefix="": {prefix + k: v for k, v in r.items() if isinstance(v, (int, float))}
-    with start_run("flexdraft-loadtest", params, run_name=f"loadtest-{params['dataset']}"):
+    model_id = card.get("drafter_model_id")
+    with start_run("flexdraft-loadtest", params, run_name=f"loadtest-{params['dataset']}") as run:
+        mlflow.set_tags({f"flexdraft.{k}": v for k, v in card.items()})
         for c, r in results.items():
             mlflow.log_metrics({k: v for name, x in endpoints_of(r)
                                 for k, v in numbers(x, "" if name == "target" else f"{name}/").items()}, step=c)
-
+            if model_id and "speedup" in r:
+                mlflow.log_metrics({"loadtest/speedup": r["speedup"], "loadtest/tokens_per_s": r["tokens_per_s"]},
+                                   step=c, model_id=model_id)
+    if card.get("drafter_version"):
+        speedups = ", ".join(f"c{c} {r['speedup']:.2f}x" for c, r in results.items() if "speedup" in r)
+        set_tags(card["drafter_version"], {
+            "loadtest.last_run": run.info.run_id, "loadtest.dataset": params["dataset"],
+            "loadtest.deployment": f"{card.get('app', '?')}/{card.get('deployment', '?')}",
+            **({"loadtest.speedup": speedups} if speedups else {})})

@@ -17,15 +17,17 @@ ENDED = "flexdraft.ended"  # tag: why a run was ended by someone other than its 
 class MlflowReporter:
     """A serving run in MLflow: the replica's config as params, then every `every_s` seconds the rates since the
     last report (tokens/s, steps/s, mean batch, mean accepted length, mode shares) and the load, at step = seconds
-    since the start, so the dashboard shows the deployment over time. Its own thread; `stop()` ends the run."""
+    since the start, so the dashboard shows the deployment over time. model_id: the served drafter's LoggedModel,
+    which the spec_decode/ metrics are linked to (its page shows production acceptance beside validation). Its own
+    thread; `stop()` ends the run."""
 
     def __init__(self, engine: AsyncEngine, params: dict, run_name: str, tags: dict | None = None,
-                 experiment: str = "flexdraft-serve", every_s: float = 30.0):
+                 experiment: str = "flexdraft-serve", every_s: float = 30.0, model_id: str | None = None):
         from mlflow.tracking import MlflowClient
 
         from flexdraft.core.tracking import experiment_id, flatten, ready_store
 
-        self.engine, self.every_s = engine, every_s
+        self.engine, self.every_s, self.model_id = engine, every_s, model_id
         self.client = MlflowClient(ready_store())
         exp_id = experiment_id(self.client, experiment)
         tags = tags or {}
@@ -62,8 +64,9 @@ class MlflowReporter:
         from mlflow.entities import Metric, RunTag
 
         ts, step = int(now * 1000), int(now - self.t0)
-        self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), ts, step) for k, v in metrics.items()],
-                              tags=[RunTag(HEARTBEAT, str(int(now)))])
+        self.client.log_batch(self.run_id, tags=[RunTag(HEARTBEAT, str(int(now)))], metrics=[
+            Metric(k, float(v), ts, step, model_id=self.model_id if k.startswith("spec_decode/") else None)
+            for k, v in metrics.items()])
         return metrics
 
     def _loop(self) -> None:

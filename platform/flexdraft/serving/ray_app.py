@@ -213,6 +213,7 @@ class FlexDraftServer:
         self.cfg: ServeConfig | None = None
         self.engine: AsyncEngine | None = None
         self.reporter: MlflowReporter | None = None
+        self.card: dict[str, str] = {}
         self.metrics = Metrics()
         self.tokenize = ThreadPoolExecutor(1, thread_name_prefix="flexdraft-tokenize")  # off the event loop
         self.replica = serve.get_replica_context().replica_tag
@@ -242,15 +243,17 @@ class FlexDraftServer:
         self.name = cfg.served_model_name or lm.name
         self.engine = self.metrics.source = AsyncEngine(engine, on_step=self.metrics.on_step)
         log.info(f"serving {self.name} {note}")
+        ctx = serve.get_replica_context()
+        self.card = {"app": ctx.app_name, "deployment": ctx.deployment, **engine.provenance}  # (/v1/models)
         self.reporter = None
         if cfg.mlflow_every_s:
-            ctx = serve.get_replica_context()
             try:
                 self.reporter = MlflowReporter(
                     self.engine, {**dataclasses.asdict(cfg), "note": note}, f"serve-{self.name}-{ctx.replica_tag}",
                     {"app": ctx.app_name, "deployment": ctx.deployment, "replica": ctx.replica_tag,
-                     "version": str(ctx.code_version), "drafter": cfg.drafter or "default"},
-                    every_s=cfg.mlflow_every_s)
+                     "version": str(ctx.code_version), "drafter": cfg.drafter or "default",
+                     **{f"flexdraft.{k}": v for k, v in engine.provenance.items()}},
+                    every_s=cfg.mlflow_every_s, model_id=engine.provenance.get("drafter_model_id"))
             except Exception:  # noqa: BLE001 - an unreachable tracking store must not stop serving
                 log.exception("no MLflow serving run: the tracking store failed")
             else:
@@ -293,8 +296,10 @@ class FlexDraftServer:
 
     @app.get("/v1/models")
     def models(self):
+        """The served model; its `flexdraft` field names the app, deployment and drafter (registered version, policy)
+        a load test records it measured."""
         return {"object": "list", "data": [{"id": self.name, "object": "model", "created": 0,
-                                            "owned_by": "flexdraft"}]}
+                                            "owned_by": "flexdraft", "flexdraft": self.card}]}
 
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest):

@@ -3,6 +3,7 @@ is trained on, and the n-gram store's source)."""
 from __future__ import annotations
 
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 from flexdraft.core.config import RuntimeConfig
@@ -15,9 +16,13 @@ def run_distill(cfg: PipelineConfig) -> Path:
     Within the distill budget (from this call on): no shard starts once less than a third of a shard's time is
     left (a shard cut after its prefill would teach nothing), running ones are cut at the deadline, and the first
     shard of each actor always starts, so there is validation data and some training data."""
+    import mlflow
+
+    from flexdraft.core.tracking import start_run
+    from flexdraft.models.loading import load_tokenizer, resolve_source
     from flexdraft.speculative.lookup import store_path
     from flexdraft.training.distill import select_prompts, shards, write_manifest
-    from flexdraft.models.loading import load_tokenizer, resolve_source
+    from flexdraft.training.register import distilled_dataset
 
     out = cfg.distill_dir()
     if (out / "manifest.json").is_file():
@@ -27,22 +32,34 @@ def run_distill(cfg: PipelineConfig) -> Path:
     deadline = time.time() + 60 * d.time_budget_min if d.time_budget_min else None
     init_ray()
     out.mkdir(parents=True, exist_ok=True)
-    runtime = RuntimeConfig(device="cpu" if not cfg.workers.use_gpu else "auto", dtype=d.dtype,
-                            threads=cfg.workers.threads_per_worker)
-    prompts = select_prompts(cfg, load_tokenizer(resolve_source(cfg.model)))  # the weights load in the actors
-    all_shards = shards(prompts, d.shard_size)
-    todo = [(name, rows) for name, rows in all_shards if not (out / name).is_file()]
-    log("distill", f"{len(prompts)} prompts in {len(all_shards)} shards -> {out}; "
-                   f"{len(all_shards) - len(todo)} already done; dtype {d.dtype} -> {runtime.dtype_name()}; "
-                   + (f"time budget {d.time_budget_min:g} min" if deadline else "no time budget"))
+    run_file = out / "distill.mlflow-run"  # a restarted distill job continues its run
+    run_id = run_file.read_text().strip() if run_file.is_file() else None
+    with start_run(cfg.mlflow_experiment, {"stage": "distill", "model": cfg.model, "distill": asdict(d)},
+                   run_name=f"{cfg.name}-distill", run_id=run_id) as run:
+        run_file.write_text(run.info.run_id)
+        t0 = time.perf_counter()
+        runtime = RuntimeConfig(device="cpu" if not cfg.workers.use_gpu else "auto", dtype=d.dtype,
+                                threads=cfg.workers.threads_per_worker)
+        prompts = select_prompts(cfg, load_tokenizer(resolve_source(cfg.model)))  # the weights load in the actors
+        all_shards = shards(prompts, d.shard_size)
+        todo = [(name, rows) for name, rows in all_shards if not (out / name).is_file()]
+        log("distill", f"{len(prompts)} prompts in {len(all_shards)} shards -> {out}; "
+                       f"{len(all_shards) - len(todo)} already done; dtype {d.dtype} -> {runtime.dtype_name()}; "
+                       + (f"time budget {d.time_budget_min:g} min" if deadline else "no time budget"))
 
-    cut = _answer_shards(cfg, runtime, todo, out, deadline) if todo else 0
-    if todo:
-        log("distill", f"time budget of {d.time_budget_min:g} min spent: {len(todo)} train shards left out")
-    manifest = write_manifest(out, cfg, {"shards_left_out": len(todo), "answers_cut": cut,
-                                         "dtype": runtime.dtype_name()})
+        cut = _answer_shards(cfg, runtime, todo, out, deadline) if todo else 0
+        if todo:
+            log("distill", f"time budget of {d.time_budget_min:g} min spent: {len(todo)} train shards left out")
+        manifest = write_manifest(out, cfg, {"shards_left_out": len(todo), "answers_cut": cut,
+                                             "dtype": runtime.dtype_name(), "mlflow_run_id": run.info.run_id})
+        mlflow.log_metrics({f"distill/{split}_{k}": float(v) for split in ("train", "validation")
+                            for k, v in manifest[split].items()}
+                           | {"distill/shards_left_out": len(todo), "distill/answers_cut": cut,
+                              "distill/seconds": time.perf_counter() - t0})
+        mlflow.log_input(distilled_dataset(out), context="distilled")
     store = store_path(out, model_args(cfg).vocab_size)
-    log("distill", f"done: train {manifest['train']}, validation {manifest['validation']}; n-gram store {store}")
+    log("distill", f"done: train {manifest['train']}, validation {manifest['validation']}; n-gram store {store}; "
+                   f"MLflow run {run.info.run_id}")
     return out
 
 

@@ -11,6 +11,7 @@ from flexdraft.core.errors import FlexDraftError
 from flexdraft.drafter.recipe import PipelineConfig
 from flexdraft.training.common import init_ray, log
 from flexdraft.training.distill_job import run_distill
+from flexdraft.training.register import register_drafter
 from flexdraft.training.trainer import run_training
 
 __all__ = ["init_ray", "job_main", "pipeline_deadline", "run_distill", "run_stage", "run_training", "shutdown_ray"]
@@ -30,7 +31,8 @@ def pipeline_deadline(cfg: PipelineConfig) -> float | None:
 def run_stage(cfg: PipelineConfig, stage: str, deadline: float | None = None):
     """Run one stage ("distill", "attention", "calibration") or all ("pipeline"); every check that can fail
     runs before Ray starts (local) or is joined (RAY_ADDRESS). deadline: the pipeline's (`pipeline_deadline`),
-    for a stage run as part of one."""
+    for a stage run as part of one. A calibrated drafter is registered in MLflow (`register_drafter`): the meta
+    returned then holds its models:/ URI as "registered"."""
     cfg.output_dir = str(cfg.root.resolve())  # workers must not depend on their own environment for it
     if stage == "distill":
         return run_distill(cfg)
@@ -38,10 +40,12 @@ def run_stage(cfg: PipelineConfig, stage: str, deadline: float | None = None):
         t0, deadline = time.perf_counter(), pipeline_deadline(cfg)
         run_distill(cfg)
         run_training(cfg, "attention", deadline=deadline)
-        meta = run_training(cfg, "calibration")
-        log("pipeline", f"all stages done in {time.perf_counter() - t0:.0f}s; drafter at {cfg.drafter_dir('calibration')}")
+        meta = {**run_training(cfg, "calibration"), "registered": register_drafter(cfg)}
+        log("pipeline", f"all stages done in {time.perf_counter() - t0:.0f}s; drafter at {cfg.drafter_dir('calibration')}"
+                        f" = {meta['registered']}")
         return meta
-    return run_training(cfg, stage, deadline=deadline)
+    meta = run_training(cfg, stage, deadline=deadline)
+    return {**meta, "registered": register_drafter(cfg)} if stage == "calibration" else meta
 
 
 def job_main(stage: str, argv: list[str] | None = None) -> None:

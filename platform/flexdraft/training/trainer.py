@@ -77,6 +77,12 @@ def run_training(cfg: PipelineConfig, stage: str, deadline: float | None = None,
                    run_name=f"{cfg.name}-{stage}", run_id=run_id) as run:
         run_file.parent.mkdir(parents=True, exist_ok=True)
         run_file.write_text(run.info.run_id)
+        if run_id is None:  # the data this stage trains on, as the run's dataset input
+            import mlflow
+
+            from flexdraft.training.register import distilled_dataset
+
+            mlflow.log_input(distilled_dataset(cfg.distill_dir()), context="training")
     log(stage, f"{'resuming' if run_id else 'starting'} {cfg.workers.num_workers} workers; MLflow run {run.info.run_id}")
     w = cfg.workers
     trainer = TorchTrainer(

@@ -269,10 +269,11 @@ class Worker:
         self.mlflow.log_metric("train/planned_steps", self.plan.steps, step=done)
 
     def finish(self) -> None:
-        """The final evaluation; rank 0 saves the drafter (logged to MLflow as an artifact) and ends the run."""
+        """The final evaluation; rank 0 saves the drafter, logs it as the run's MLflow model and ends the run."""
         import ray.train
 
         from flexdraft.drafter.model import save_drafter, weights_fingerprint
+        from flexdraft.training.register import log_stage_model
 
         train_seconds = time.perf_counter() - self.t_run
         tokens, blocks = self.reduce([self.run_tokens, self.run_blocks])
@@ -287,8 +288,8 @@ class Worker:
             folder = save_drafter(self.engine.module, self.cfg.drafter_dir(self.stage), self.lm.name,
                                   weights_fingerprint(self.lm.model), info)
             self.mlflow.log_metrics({k: float(v) for k, v in final.items()}, step=steps)
-            self.mlflow.log_artifacts(str(folder), artifact_path=f"drafter-{self.stage}")
-            self.mlflow.set_tag("drafter_path", str(folder))
+            model_id = log_stage_model(folder, self.stage, final)
+            self.mlflow.set_tags({"drafter_path": str(folder), "flexdraft.model_id": model_id})
             self.mlflow.end_run()
         ray.train.report({**final, "step": steps})
 

@@ -9,6 +9,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
+from flexdraft.drafter.registry import attach_policy, is_model_uri
 from flexdraft.evaluation.report import save_figure
 from flexdraft.tuning.sweep import DECODE_PARAMS, TRAINING_PARAMS, SweepConfig, decode_params, export_policy, trial_policy
 
@@ -214,6 +215,10 @@ def finish(cfg: SweepConfig, root: Path, trials: list[dict], histories: dict, pa
         run_id = TrialRun.existing(parent, trial_id)
         if run_id and points and not client.get_metric_history(run_id, "eval/bonus/tau"):
             client.log_batch(run_id, metrics=[Metric("eval/bonus/tau", v, 0, step) for step, v in points])
+    if cfg.kind == "decode" and is_model_uri(cfg.drafter) and "policy" in summary:  # the policy joins its drafter
+        v = attach_policy(cfg.drafter, parent["run_id"], "policy.yaml", cfg.name, summary["objective"])
+        summary["drafter_version"] = v.uri
+        lines += ["", f"The policy is attached to {v.uri}: `--policy {v.uri}` loads it."]
     (root / "results.md").write_text("\n".join(lines) + "\n")
     write_json(root / "results.json", {"config": asdict(cfg), "trials": trials, "histories": histories,
                                        "summary": summary})

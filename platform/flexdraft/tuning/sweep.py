@@ -53,7 +53,7 @@ class SweepConfig:
     name: str = "decode"
     kind: str = "decode"  # decode | training
     model: str = "smollm2"  # decode sweeps (a training sweep's model is its pipeline's)
-    drafter: str = ""  # decode: the drafter swept over ("" = the default pipeline's; a folder; "init")
+    drafter: str = ""  # decode: the drafter swept over ("" = the default pipeline's; a folder; models:/...; "init")
     store: str = ""  # n-gram store of lookup steps ("" = the default pipeline's distilled data; a file; "none")
     pipeline: str = ""  # the base pipeline YAML ("" = the embedded defaults): a training trial's, and the prompt pick's
     # validation prompts: held-out = ShareGPT prompts past the pipeline's distill selection (in neither split, never
@@ -229,6 +229,7 @@ def prepare(cfg: SweepConfig) -> Prepared:
     """Check the space against the model and drafter, pick the validation prompts -> what trials share. Every
     error here is a FlexDraftError raised before Ray starts."""
     from flexdraft.drafter.model import DrafterConfig, read_drafter_meta
+    from flexdraft.drafter.registry import is_model_uri, resolve
     from flexdraft.models.config import ModelArgs
     from flexdraft.models.loading import load_tokenizer, resolve_source
     from flexdraft.drafter.recipe import PipelineConfig, default_drafter_dir, load_pipeline_config
@@ -241,7 +242,10 @@ def prepare(cfg: SweepConfig) -> Prepared:
         if cfg.drafter == "init":
             block, k = DrafterConfig().block_size, min(DrafterConfig().k, max(1, args.n_layers // 2))
         else:
-            path = Path(cfg.drafter).expanduser() if cfg.drafter else default_drafter_dir()
+            if is_model_uri(cfg.drafter):  # downloaded once here; each trial checks it against the target
+                path = resolve(cfg.drafter)[0]
+            else:
+                path = Path(cfg.drafter).expanduser() if cfg.drafter else default_drafter_dir()
             if not (path / "drafter.json").is_file():
                 raise FlexDraftError(f"no drafter at {path}: train one (`flexdraft pipeline`) or pass --drafter PATH")
             meta = read_drafter_meta(path)

@@ -65,6 +65,8 @@ def training_trial(config: dict, sweep: dict, pipeline: dict, prompts: list, par
     its checkpoint."""
     from ray.tune.integration.ray_train import TuneReportCallback
 
+    from flexdraft.training.register import register_drafter
+
     cfg = from_dict(sw.SweepConfig, sweep)
     cfg.threads = cfg.threads or len(os.sched_getaffinity(0))  # (the trial holds no CPU: Ray's OMP_NUM_THREADS is 1)
     params, trial_id = config["params"], tune.get_context().get_trial_id()
@@ -77,6 +79,8 @@ def training_trial(config: dict, sweep: dict, pipeline: dict, prompts: list, par
             run_training(pipeline, "attention", callbacks=[TuneReportCallback()])
             if calibrate:
                 run_training(pipeline, "calibration")
+        if calibrate:  # a trial that trains to the end registers its drafter (once, also when resumed)
+            run.tag("drafter_version", register_drafter(pipeline))
         drafter = str(pipeline.drafter_dir("calibration" if calibrate else "attention"))
         measurer = sw.Measurer(cfg, drafter, prompts, pipeline.model)
         _measure(cfg, measurer, sw.trial_policy({}), results, run, {"drafter": drafter})
