@@ -1,0 +1,42 @@
+"""The code of a drafter's MLflow model (models-from-code: MLflow copies this file into the model and runs it to
+load it; `mlflow_model.log_drafter_model` logs it). `predict` answers chat prompts with the adaptive engine over
+the drafter's target: lossless, the target's own greedy answer.
+
+The target model is not part of the artifact: it is loaded by the name the drafter records (`base_model`:
+'smollm2' is bundled; a path must exist where the model is loaded) and checked against its fingerprint.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlflow
+
+ARTIFACT = "drafter"  # (= drafter.registry.ARTIFACT; this file must run on its own)
+
+
+class DrafterModel(mlflow.pyfunc.PythonModel):
+    """predict(list of user messages) -> list of answers (chat template, greedy, `max_new_tokens` param, 128)."""
+
+    def load_context(self, context) -> None:
+        self.folder = Path(context.artifacts[ARTIFACT])
+        self.engine = self.lm = None
+
+    def predict(self, context, model_input: list[str], params: dict | None = None) -> list[str]:
+        from flexdraft.core.config import RuntimeConfig
+        from flexdraft.core.data import chat_ids
+        from flexdraft.drafter.model import read_drafter_meta
+        from flexdraft.engine.config import EngineConfig
+        from flexdraft.engine.runner import load_engine
+        from flexdraft.speculative.sampling import SamplingParams
+
+        if self.engine is None:
+            meta = read_drafter_meta(self.folder)
+            self.lm, self.engine, _ = load_engine(meta["base_model"], RuntimeConfig(), str(self.folder),
+                                                  EngineConfig(mode="adaptive"), store_spec="none")
+        tok = self.lm.tokenizer
+        prompts = [chat_ids(tok, [{"role": "user", "content": str(m)}]) for m in model_input]
+        sampling = SamplingParams(max_new_tokens=int((params or {}).get("max_new_tokens", 128)))
+        return [tok.decode(g.token_ids, skip_special_tokens=True) for g in self.engine.generate(prompts, sampling)]
+
+
+mlflow.models.set_model(DrafterModel())

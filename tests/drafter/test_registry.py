@@ -1,0 +1,267 @@
+"""Drafters in MLflow's model registry, against a real `mlflow server` (SQLite behind it; PostgreSQL with
+`pytest -m postgres tests/drafter/test_registry.py`): a registered drafter resolves from `models:/` URIs through
+the server into a local cache (once) and decodes exactly as its folder does; promotion moves what `@champion`
+loads; a sweep's policy attached to a version loads by the version's URI; every bad reference is one line, before
+any weights load."""
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ENV, make_tiny_hf
+from flexdraft.cli.main import main
+from flexdraft.core.config import from_dict
+from flexdraft.drafter.recipe import PipelineConfig
+from flexdraft.training.common import run_key
+
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(store: str, root: Path) -> tuple[subprocess.Popen, str]:
+    """`mlflow server` over `store`, its artifacts proxied (as the local cluster runs it) -> (process, URI)."""
+    port = free_port()
+    env = {**ENV, "MLFLOW_TRACKING_URI": "", "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    proc = subprocess.Popen([str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port), "--workers",
+                             "1", "--backend-store-uri", store, "--artifacts-destination", str(root / "artifacts")],
+                            env=env, stdout=open(root / "server.log", "w"), stderr=subprocess.STDOUT)
+    uri = f"http://127.0.0.1:{port}"
+    for _ in range(240):
+        try:
+            with urllib.request.urlopen(uri + "/health", timeout=2):
+                return proc, uri
+        except OSError:
+            assert proc.poll() is None, (root / "server.log").read_text()[-3000:]
+            time.sleep(0.5)
+    proc.kill()
+    raise AssertionError("mlflow server did not start: " + (root / "server.log").read_text()[-3000:])
+
+
+def postgres_store(root: Path) -> tuple[str, callable]:
+    """A throw-away PostgreSQL cluster (Debian's `postgresql` package; run as the `postgres` user when root) ->
+    (its SQLAlchemy URI, stop)."""
+    bins = sorted(Path("/usr/lib/postgresql").glob("*/bin"))
+    if not bins:
+        pytest.skip("PostgreSQL is not installed (apt-get install postgresql)")
+    pytest.importorskip("psycopg2", reason="pip install -e '.[postgres]' (psycopg2-binary)")
+    # (as root: a folder the postgres user can reach; pytest's own temporary folders are private to root)
+    as_user = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+    data = Path(tempfile.mkdtemp(prefix="flexdraft-pg-")) / "data"
+    pg, port = bins[-1], free_port()
+    if as_user:
+        shutil.chown(data.parent, "postgres")
+    run = lambda *cmd: subprocess.run([*as_user, *cmd], check=True, capture_output=True)
+    run(str(pg / "initdb"), "-D", str(data), "-U", "mlflow", "--auth=trust")
+    run(str(pg / "pg_ctl"), "-D", str(data), "-l", str(data / "log"), "-w", "-o",
+        f"-p {port} -k {data} -c listen_addresses=127.0.0.1", "start")
+    run(str(pg / "createdb"), "-h", "127.0.0.1", "-p", str(port), "-U", "mlflow", "mlflow")
+
+    def stop():
+        subprocess.run([*as_user, str(pg / "pg_ctl"), "-D", str(data), "-m", "fast", "stop"], capture_output=True)
+        shutil.rmtree(data.parent, ignore_errors=True)
+
+    return f"postgresql+psycopg2://mlflow@127.0.0.1:{port}/mlflow", stop
+
+
+@pytest.fixture(scope="module", params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def server(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(f"mlflow-{request.param}")
+    stop = lambda: None
+    if request.param == "postgres":
+        store, stop = postgres_store(root)
+    else:
+        store = f"sqlite:///{root / 'mlflow.db'}"
+    proc, uri = start_server(store, root)
+    yield uri
+    proc.terminate()
+    proc.wait(30)
+    stop()
+
+
+@pytest.fixture
+def home(server, tmp_path, monkeypatch):
+    """This test's FLEXDRAFT_HOME (the registry's download cache) and the server as its tracking URI."""
+    monkeypatch.setenv("FLEXDRAFT_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", server)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path / "home"
+
+
+def trained(model: Path, root: Path, name: str, data: Path, seed: int) -> PipelineConfig:
+    """A pipeline's MLflow record without Ray: each stage's run, drafter (the init drafter, perturbed by `seed`)
+    and model logged as `worker.finish` logs them (`log_stage_model`), the runs' ids where the trainer keeps them."""
+    import mlflow
+
+    from flexdraft.core.tracking import start_run
+    from flexdraft.drafter.model import Drafter, save_drafter, weights_fingerprint
+    from flexdraft.models.loading import load_model
+    from flexdraft.training.common import run_key
+    from flexdraft.training.register import log_stage_model
+
+    cfg = from_dict(PipelineConfig, {"name": name, "output_dir": str(root / name), "model": str(model),
+                                     "drafter": {"k": 2, "block_size": 4}})
+    cfg.distill_dir().parent.mkdir(parents=True, exist_ok=True)
+    if not cfg.distill_dir().exists():
+        cfg.distill_dir().symlink_to(data)
+    target = load_model(model, with_tokenizer=False).model
+    g = torch.Generator().manual_seed(seed)
+    drafter = Drafter.from_target(target, cfg.drafter)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(0.01 * torch.randn(p.shape, generator=g))
+    for stage in ("attention", "calibration"):
+        with start_run(cfg.mlflow_experiment, {"stage": stage}, run_name=f"{name}-{stage}") as run:
+            (cfg.root / f"{stage}-{run_key(cfg, stage)}.mlflow-run").parent.mkdir(parents=True, exist_ok=True)
+            (cfg.root / f"{stage}-{run_key(cfg, stage)}.mlflow-run").write_text(run.info.run_id)
+            ev = {"eval/bonus/tau": 1.25 + seed / 100, "eval/mask/tau": 1.1}
+            folder = save_drafter(drafter, cfg.drafter_dir(stage), str(model), weights_fingerprint(target),
+                                  {"stage": stage, "eval": ev, "steps": 3})
+            mlflow.set_tag("flexdraft.model_id", log_stage_model(folder, stage, ev))
+    return cfg
+
+
+@pytest.fixture
+def data(tiny_pipeline):
+    return from_dict(PipelineConfig, tiny_pipeline[1]).distill_dir()
+
+
+@pytest.fixture
+def model(tiny_smollm2, tmp_path, request):
+    """The tiny SmolLM2-shaped model under a name of this test's own (its registered model is
+    flexdraft-drafter-<name>: tests sharing the server do not share versions)."""
+    link = tmp_path / f"t{zlib.crc32(request.node.nodeid.encode()):08x}"
+    link.symlink_to(tiny_smollm2)
+    return link
+
+
+def generate(capsys, model, drafter, *extra) -> tuple[int, list, str]:
+    code = main(["generate", "--model", str(model), "--drafter", drafter, "--prompt", "Hello there", "--json",
+                 "--max-new-tokens", "12", *extra])
+    out = capsys.readouterr()
+    return code, [json.loads(line)["token_ids"] for line in out.out.splitlines() if line.startswith("{")], out.err
+
+
+def test_a_registered_drafter_decodes_from_its_uri_exactly_as_from_its_folder(home, model, data, tmp_path, capsys):
+    """The pipeline's registration: version 1 of flexdraft-drafter-tiny, alias champion, tagged with the target,
+    shape, tau, the runs of each stage and the data set; registering again keeps it. `models:/...@champion`
+    downloads it once into $FLEXDRAFT_HOME/registry through the server and decodes token for token as the folder
+    (and as AR: lossless). `drafters list/show` show it."""
+    from mlflow.tracking import MlflowClient
+
+    from flexdraft.drafter.registry import lookup
+    from flexdraft.training.register import register_drafter
+
+    cfg = trained(model, tmp_path, "one", data, seed=1)
+    name = f"flexdraft-drafter-{model.name}"
+    uri = register_drafter(cfg)
+    assert uri == f"models:/{name}/1" and register_drafter(cfg) == uri
+    v = lookup(f"models:/{name}@champion")
+    runs = {s: (cfg.root / f"{s}-{run_key(cfg, s)}.mlflow-run").read_text() for s in ("attention", "calibration")}
+    assert (v.version, v.aliases, v.tag("k"), v.tag("block_size"), v.tag("tau.bonus")) == ("1", ["champion"], "2", "4",
+                                                                                         "1.2600")
+    assert v.tag("run.attention") == runs["attention"] and v.tag("run.calibration") == runs["calibration"]
+    assert v.tag("dataset.sequences") == "24" and v.tag("dataset.digest") and v.model_id.startswith("m-")
+    logged = MlflowClient().get_logged_model(v.model_id)
+    assert logged.source_run_id == runs["calibration"] and logged.metrics  # validation tau linked to the model
+
+    code, from_uri, err = generate(capsys, model, f"models:/{name}@champion")
+    assert code == 0 and f"models:/{name}@champion (version 1)" in err
+    cached = home / "registry" / name / "1" / "artifacts" / "drafter" / "drafter.safetensors"
+    stamp = cached.stat().st_mtime_ns
+    assert generate(capsys, model, str(cfg.drafter_dir("calibration")))[1] == from_uri
+    assert generate(capsys, model, f"models:/{name}/1", "--mode", "ar")[1] == from_uri
+    assert cached.stat().st_mtime_ns == stamp  # downloaded once
+
+    assert main(["drafters", "list"]) == 0
+    listed = capsys.readouterr().out
+    assert f"models:/{name}/1" in listed and "champion" in listed
+    assert main(["drafters", "show", f"models:/{name}/latest"]) == 0
+    shown = capsys.readouterr().out
+    assert runs["calibration"] in shown and "dataset.digest" in shown
+
+
+def test_promoting_another_version_switches_what_the_alias_loads_and_its_policy_follows_the_version(
+        home, model, data, tmp_path, capsys):
+    """A second drafter registers as version 2 without taking champion; `drafters promote` moves champion to it and
+    `@champion` then loads version 2's weights (another cache folder). A policy attached to version 2 (as a decode
+    sweep attaches its export) loads by `--policy models:/.../2`, and is refused for version 1's weights."""
+    import mlflow
+
+    from flexdraft.drafter.registry import attach_policy, lookup, resolve
+    from flexdraft.models.loading import load_model
+    from flexdraft.drafter.model import weights_fingerprint
+    from flexdraft.speculative.policy_file import Band, Policy, save_policy
+    from flexdraft.training.register import register_drafter
+
+    champion = f"models:/flexdraft-drafter-{model.name}@champion"
+    first = register_drafter(trained(model, tmp_path, "one", data, seed=1))
+    second = register_drafter(trained(model, tmp_path, "two", data, seed=2))
+    assert second.endswith("/2") and lookup(champion).version == "1"
+    before, _ = resolve(champion)
+    assert main(["drafters", "promote", second, "--alias", "champion"]) == 0
+    assert "-> version 2 (was version 1)" in capsys.readouterr().out
+    after, v = resolve(champion)
+    assert v.version == "2" and after != before
+    assert (after / "drafter.safetensors").read_bytes() != (before / "drafter.safetensors").read_bytes()
+
+    fp = weights_fingerprint(load_model(model, with_tokenizer=False).model)
+    policy = save_policy(Policy(switch_batch=2, bands=[Band(1, "parallel", block=2), Band(None, "sequential")],
+                                target={"model": "tiny", "fingerprint": fp},
+                                drafter={"path": second, "fingerprint": v.tag("weights_digest"), "block_size": 4}),
+                         tmp_path / "policy.yaml")
+    with mlflow.start_run() as run:  # the sweep's parent run holds the exported policy
+        mlflow.log_artifact(str(policy))
+    attach_policy(second, run.info.run_id, "policy.yaml", "decode-test", 1.1)
+    code, with_policy, err = generate(capsys, model, second, "--policy", second)
+    assert code == 0 and "policy" in err
+    assert generate(capsys, model, second, "--mode", "ar")[1] == with_policy  # lossless
+    code, _, err = generate(capsys, model, first, "--policy", second)
+    assert code == 2 and "another drafter" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("ref,needle", [
+    ("models:/flexdraft-drafter-nope@champion", "no registered model 'flexdraft-drafter-nope'"),
+    ("models:/NAME@canary", "has no alias 'canary' (aliases: champion=v1)"),
+    ("models:/NAME/9", "has no version 9"),
+    ("models:/NAME", "is not a drafter model URI"),
+    ("models:/NAME/1", "is a drafter for"),  # asked for by a model with other weights
+    ("unreachable", "is unreachable"),
+], ids=["unknown-model", "missing-alias", "missing-version", "malformed", "other-target", "server-down"])
+def test_a_bad_reference_is_one_line_before_any_weights_load(home, model, data, tmp_path, capsys, monkeypatch,
+                                                             ref, needle):
+    """Each through `flexdraft generate`: exit 2, one line naming the problem, nothing downloaded. The other
+    target: a tiny model with other weights asked to load the drafter registered for `tiny`."""
+    from flexdraft.training.register import register_drafter
+
+    register_drafter(trained(model, tmp_path, "one", data, seed=1))
+    ref = ref.replace("NAME", f"flexdraft-drafter-{model.name}")
+    asking = model
+    if needle == "is a drafter for":
+        asking = tmp_path / "other"
+        make_tiny_hf("llama", asking, seed=7, vocab_size=49152, max_position_embeddings=512)
+        for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+            shutil.copy(model / f, asking / f)
+    if ref == "unreachable":
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{free_port()}")
+        ref = f"models:/flexdraft-drafter-{model.name}@champion"
+    capsys.readouterr()  # (what registering printed)
+    t0 = time.perf_counter()
+    code, _, err = generate(capsys, asking, ref)
+    assert code == 2 and needle in err and err.count("\n") == 1, err
+    assert time.perf_counter() - t0 < 60  # (no retrying for minutes)
+    assert not (home / "registry").exists()
