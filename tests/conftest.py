@@ -171,6 +171,42 @@ def tiny_pipeline(tmp_path_factory):
     return cfg, raw, root
 
 
+def recorded_pipeline(model: Path, root: Path, name: str, data: Path, seed: int):
+    """A pipeline's MLflow record without Ray, in the current MLFLOW_TRACKING_URI: each stage's run, drafter (the
+    init drafter of k=2, B=4, perturbed by `seed`) and MLflow model logged as `worker.finish` logs them
+    (`log_stage_model`), the runs' ids where the trainer keeps them; `register_drafter(cfg)` then registers it."""
+    import mlflow
+
+    from flexdraft.core.config import from_dict
+    from flexdraft.core.tracking import start_run
+    from flexdraft.drafter.model import Drafter, save_drafter, weights_fingerprint
+    from flexdraft.drafter.recipe import PipelineConfig
+    from flexdraft.models.loading import load_model
+    from flexdraft.training.common import run_key
+    from flexdraft.training.register import log_stage_model
+
+    cfg = from_dict(PipelineConfig, {"name": name, "output_dir": str(root / name), "model": str(model),
+                                     "drafter": {"k": 2, "block_size": 4}})
+    cfg.distill_dir().parent.mkdir(parents=True, exist_ok=True)
+    if not cfg.distill_dir().exists():
+        cfg.distill_dir().symlink_to(data)
+    target = load_model(model, with_tokenizer=False).model
+    g = torch.Generator().manual_seed(seed)
+    drafter = Drafter.from_target(target, cfg.drafter)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(0.01 * torch.randn(p.shape, generator=g))
+    for stage in ("attention", "calibration"):
+        with start_run(cfg.mlflow_experiment, {"stage": stage}, run_name=f"{name}-{stage}") as run:
+            cfg.root.mkdir(parents=True, exist_ok=True)
+            (cfg.root / f"{stage}-{run_key(cfg, stage)}.mlflow-run").write_text(run.info.run_id)
+            ev = {"eval/bonus/tau": 1.25 + seed / 100, "eval/mask/tau": 1.1}
+            folder = save_drafter(drafter, cfg.drafter_dir(stage), str(model), weights_fingerprint(target),
+                                  {"stage": stage, "eval": ev, "steps": 3})
+            mlflow.set_tag("flexdraft.model_id", log_stage_model(folder, stage, ev))
+    return cfg
+
+
 def write_jsonl(path, rows):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ENV, make_tiny_hf
+from conftest import ENV, make_tiny_hf, recorded_pipeline
 from flexdraft.cli.main import main
 from flexdraft.core.config import from_dict
 from flexdraft.drafter.recipe import PipelineConfig
@@ -102,39 +102,6 @@ def home(server, tmp_path, monkeypatch):
     return tmp_path / "home"
 
 
-def trained(model: Path, root: Path, name: str, data: Path, seed: int) -> PipelineConfig:
-    """A pipeline's MLflow record without Ray: each stage's run, drafter (the init drafter, perturbed by `seed`)
-    and model logged as `worker.finish` logs them (`log_stage_model`), the runs' ids where the trainer keeps them."""
-    import mlflow
-
-    from flexdraft.core.tracking import start_run
-    from flexdraft.drafter.model import Drafter, save_drafter, weights_fingerprint
-    from flexdraft.models.loading import load_model
-    from flexdraft.training.common import run_key
-    from flexdraft.training.register import log_stage_model
-
-    cfg = from_dict(PipelineConfig, {"name": name, "output_dir": str(root / name), "model": str(model),
-                                     "drafter": {"k": 2, "block_size": 4}})
-    cfg.distill_dir().parent.mkdir(parents=True, exist_ok=True)
-    if not cfg.distill_dir().exists():
-        cfg.distill_dir().symlink_to(data)
-    target = load_model(model, with_tokenizer=False).model
-    g = torch.Generator().manual_seed(seed)
-    drafter = Drafter.from_target(target, cfg.drafter)
-    with torch.no_grad():
-        for p in drafter.parameters():
-            p.add_(0.01 * torch.randn(p.shape, generator=g))
-    for stage in ("attention", "calibration"):
-        with start_run(cfg.mlflow_experiment, {"stage": stage}, run_name=f"{name}-{stage}") as run:
-            (cfg.root / f"{stage}-{run_key(cfg, stage)}.mlflow-run").parent.mkdir(parents=True, exist_ok=True)
-            (cfg.root / f"{stage}-{run_key(cfg, stage)}.mlflow-run").write_text(run.info.run_id)
-            ev = {"eval/bonus/tau": 1.25 + seed / 100, "eval/mask/tau": 1.1}
-            folder = save_drafter(drafter, cfg.drafter_dir(stage), str(model), weights_fingerprint(target),
-                                  {"stage": stage, "eval": ev, "steps": 3})
-            mlflow.set_tag("flexdraft.model_id", log_stage_model(folder, stage, ev))
-    return cfg
-
-
 @pytest.fixture
 def data(tiny_pipeline):
     return from_dict(PipelineConfig, tiny_pipeline[1]).distill_dir()
@@ -166,7 +133,7 @@ def test_a_registered_drafter_decodes_from_its_uri_exactly_as_from_its_folder(ho
     from flexdraft.drafter.registry import lookup
     from flexdraft.training.register import register_drafter
 
-    cfg = trained(model, tmp_path, "one", data, seed=1)
+    cfg = recorded_pipeline(model, tmp_path, "one", data, seed=1)
     name = f"flexdraft-drafter-{model.name}"
     uri = register_drafter(cfg)
     assert uri == f"models:/{name}/1" and register_drafter(cfg) == uri
@@ -209,8 +176,8 @@ def test_promoting_another_version_switches_what_the_alias_loads_and_its_policy_
     from flexdraft.training.register import register_drafter
 
     champion = f"models:/flexdraft-drafter-{model.name}@champion"
-    first = register_drafter(trained(model, tmp_path, "one", data, seed=1))
-    second = register_drafter(trained(model, tmp_path, "two", data, seed=2))
+    first = register_drafter(recorded_pipeline(model, tmp_path, "one", data, seed=1))
+    second = register_drafter(recorded_pipeline(model, tmp_path, "two", data, seed=2))
     assert second.endswith("/2") and lookup(champion).version == "1"
     before, _ = resolve(champion)
     assert main(["drafters", "promote", second, "--alias", "champion"]) == 0
@@ -248,7 +215,7 @@ def test_a_bad_reference_is_one_line_before_any_weights_load(home, model, data, 
     target: a tiny model with other weights asked to load the drafter registered for `tiny`."""
     from flexdraft.training.register import register_drafter
 
-    register_drafter(trained(model, tmp_path, "one", data, seed=1))
+    register_drafter(recorded_pipeline(model, tmp_path, "one", data, seed=1))
     ref = ref.replace("NAME", f"flexdraft-drafter-{model.name}")
     asking = model
     if needle == "is a drafter for":

@@ -18,7 +18,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import ENV, METRICS_PORT, REPO
+from conftest import ENV, METRICS_PORT, REPO, recorded_pipeline
 from flexdraft.core.config import RuntimeConfig
 from flexdraft.core.data import chat_ids
 from flexdraft.speculative.sampling import SamplingParams
@@ -59,16 +59,24 @@ def replicas(app_name: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def apps(ray_head, real_folder, tiny_smollm2, tmp_path_factory):
-    """Three apps of serve/config.yaml in one `serve deploy`: `tiny` at / (one replica), `elastic` at /elastic (the
+def apps(ray_head, real_folder, tiny_smollm2, tiny_pipeline, tmp_path_factory):
+    """Three apps of serve/config.yaml in one `serve deploy`: `tiny` at / (one replica, its drafter registered in
+    the apps' MLflow store and named by `models:/flexdraft-drafter-tiny@champion`), `elastic` at /elastic (the
     tiny model with 1-2 replicas, 2 requests each, 2 queued, fast autoscaling and health checks), `real` at /real (SmolLM2).
     -> {"tiny": the tiny model, loaded here for reference outputs}."""
+    from flexdraft.training.register import register_drafter
+
     root, tiny = tmp_path_factory.mktemp("serve"), tiny_smollm2
     home = root / "home"
+    with pytest.MonkeyPatch.context() as mp:  # the replicas' store: $FLEXDRAFT_HOME/mlflow.db
+        mp.setenv("FLEXDRAFT_HOME", str(home))
+        mp.delenv("MLFLOW_TRACKING_URI", raising=False)
+        version = register_drafter(recorded_pipeline(tiny, root, "tiny", tiny_pipeline[0].distill_dir(), seed=3))
+    assert version == "models:/flexdraft-drafter-tiny/1"
     cfg = yaml.safe_load((REPO / "serve" / "config.yaml").read_text())
     cfg["applications"] = [
         application("tiny", "/", home, tiny, autoscaling_config={"min_replicas": 1, "max_replicas": 1},
-                    user_config={"max_body_bytes": BODY_LIMIT}),
+                    user_config={"max_body_bytes": BODY_LIMIT, "drafter": "models:/flexdraft-drafter-tiny@champion"}),
         application("elastic", "/elastic", home, tiny, max_ongoing_requests=2, max_queued_requests=2,
                     autoscaling_config={"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1,
                                         "upscale_delay_s": 1, "downscale_delay_s": 2, "metrics_interval_s": 0.5,
@@ -324,14 +332,20 @@ def test_spec_decode_metrics_reach_prometheus(app):
     assert sum(drafts) > 0
 
 
-def test_loadtest_reports_every_level_against_the_app_a_baseline_and_a_compared_app(app, mlflow_uri, tmp_path):
+def test_loadtest_reports_every_level_against_the_app_a_baseline_and_a_compared_app(app, tmp_path, monkeypatch):
     """`flexdraft loadtest` through HTTP: 6 streamed requests at concurrency 1 and 2 to `tiny`, the same to a
     baseline endpoint (`elastic`) and to a compared one (`real`), taking turns in rounds; all answered, with
     latencies, throughput, the server's accepted length and each one's tok/s ratio to the baseline, in a JSON file
-    and an MLflow run."""
+    and an MLflow run. That run names the app and the registered drafter version `tiny` serves (from /v1/models);
+    the version's LoggedModel holds the speed-ups and the serving replica's acceptance, its tags the last load test."""
     import mlflow
 
+    from flexdraft.drafter.registry import lookup
     from flexdraft.evaluation.loadtest import run_loadtest
+
+    monkeypatch.setenv("FLEXDRAFT_HOME", str(app.home))  # the apps' store, where their drafter is registered
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.chdir(tmp_path)
 
     results = run_loadtest(URL, "gsm8k", [1, 2], 6, stream=True, api_key=KEY, max_tokens=8,
                            output=tmp_path / "lt.json", baseline=f"{URL}/elastic", compare={"real": f"{URL}/real"})
@@ -342,9 +356,18 @@ def test_loadtest_reports_every_level_against_the_app_a_baseline_and_a_compared_
         for x in (r, r["compare"]["real"]):
             assert x["speedup"] == pytest.approx(x["tokens_per_s"] / r["baseline"]["tokens_per_s"])
     assert json.loads((tmp_path / "lt.json").read_text())["results"].keys() == {"1", "2"}
+    mlflow.set_tracking_uri(f"sqlite:///{app.home / 'mlflow.db'}")
     run, = mlflow.search_runs(experiment_names=["flexdraft-loadtest"], output_format="list")
     for key in ("tokens_per_s", "baseline/tokens_per_s", "speedup", "real/tokens_per_s", "real/speedup"):
         assert [m.step for m in mlflow.MlflowClient().get_metric_history(run.info.run_id, key)] == [1, 2]
+    v = lookup("models:/flexdraft-drafter-tiny@champion")
+    assert run.data.tags["flexdraft.app"] == "tiny" and run.data.tags["flexdraft.drafter_version"] == v.uri
+    assert v.tag("loadtest.last_run") == run.info.run_id and v.tag("loadtest.deployment") == "tiny/FlexDraftServer"
+    linked = {m.key for m in mlflow.get_logged_model(v.model_id).metrics}
+    assert {"loadtest/speedup", "spec_decode/mean_accepted_length"} <= linked, linked
+    serving, = mlflow.search_runs(experiment_names=["flexdraft-serve"], filter_string="tags.app = 'tiny'",
+                                  output_format="list")
+    assert serving.data.tags["flexdraft.drafter_version"] == v.uri
     with pytest.raises(Exception, match="this machine only"):
         run_loadtest("http://10.0.0.1:8000", "gsm8k", [1], 1)
     with pytest.raises(Exception, match="baseline .* is an endpoint already measured"):
