@@ -139,6 +139,49 @@ def test_ray_job_submit_trains_exactly_the_drafter_of_the_resumed_run(ray_head, 
     assert not torch.equal(ours["attn.1.q_proj.weight"], fresh["attn.1.q_proj.weight"])  # it did train
 
 
+def test_calibration_registers_its_drafter_with_the_runs_and_data_that_made_it(resumed_attention, tiny_pipeline,
+                                                                               tmp_path, monkeypatch):
+    """Calibration (4 steps, 2 Ray Train workers) after the resumed attention run: its rank-0 worker logs the
+    drafter as the run's MLflow model (the folder it saved, once), and the stage registers it as version 1 of
+    flexdraft-drafter-model, alias champion, tagged with the attention and calibration runs, the data set's digest
+    and the validation tau; both runs have the distilled data as their dataset input; a re-run keeps the version."""
+    import shutil
+
+    from mlflow.tracking import MlflowClient
+
+    from flexdraft.drafter.registry import lookup, resolve
+    from flexdraft.training.common import run_key
+    from flexdraft.training.jobs import run_stage
+
+    src, raw, _ = tiny_pipeline
+    _, uri, _ = resumed_attention
+    cfg = from_dict(PipelineConfig, {**raw, "output_dir": str(tmp_path / "out"),
+                                     "calibration": {**raw["calibration"], "steps": 4, "time_budget_min": 0}})
+    cfg.distill_dir().parent.mkdir(parents=True)
+    cfg.distill_dir().symlink_to(src.distill_dir())
+    attention_run = src.root / f"attention-{run_key(src, 'attention')}.mlflow-run"
+    shutil.copytree(src.drafter_dir("attention"), cfg.drafter_dir("attention"))
+    shutil.copy(attention_run, cfg.root / attention_run.name)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("FLEXDRAFT_HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    meta = run_stage(cfg, "calibration")
+    assert meta["registered"] == "models:/flexdraft-drafter-model/1" and meta["steps"] == 4
+    v = lookup("models:/flexdraft-drafter-model@champion")
+    calibration_run = (cfg.root / f"calibration-{meta['run_key']}.mlflow-run").read_text()
+    assert v.tag("run.attention") == attention_run.read_text() and v.tag("run.calibration") == calibration_run
+    assert v.tag("tau.bonus") == f"{meta['eval']['eval/bonus/tau']:.4f}" and v.tag("k") == "2"
+    client = MlflowClient(uri)
+    logged = client.get_logged_model(v.model_id)
+    assert logged.source_run_id == calibration_run and logged.tags["flexdraft.stage"] == "calibration"
+    for run_id in (attention_run.read_text(), calibration_run):
+        inputs = client.get_run(run_id).inputs.dataset_inputs
+        assert [i.dataset.digest for i in inputs] == [v.tag("dataset.digest")], run_id
+    folder, _ = resolve(v.uri)  # the model's artifact is the folder the engine loads, byte for byte
+    assert (folder / "drafter.safetensors").read_bytes() == (cfg.drafter_dir("calibration") / "drafter.safetensors").read_bytes()
+    assert run_stage(cfg, "calibration")["registered"] == v.uri
+
+
 @pytest.mark.slow
 def test_budgeted_attention_in_a_pipeline_trains_until_the_rest_is_left(ray_head, tiny_pipeline, tmp_path,
                                                                          monkeypatch, mlflow_db):
