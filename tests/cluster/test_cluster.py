@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import ENV, RAY, REPO
+from conftest import ENV, RAY, REPO, recorded_pipeline
 
 from flexdraft.cluster import local as cluster
 from flexdraft.core.config import from_dict
@@ -225,26 +225,70 @@ def test_sweep_trials_run_on_both_nodes(local_cluster, tiny_smollm2, tmp_path):
     assert {r.data.tags["ray_node"] for r in trials} == set(_alive_nodes(cfg).values())
 
 
+def _served_versions(uri: str, runs_before: set, n: int, timeout: float) -> dict[str, tuple[str, str]]:
+    """{replica: (its Ray node, the drafter version it serves)} from the replicas' running serving runs in the
+    cluster's MLflow server (started since `runs_before`), once `n` replicas have one."""
+    from mlflow.tracking import MlflowClient
+
+    client, deadline, seen = MlflowClient(uri), time.time() + timeout, {}
+    while time.time() < deadline:
+        exp = client.get_experiment_by_name("flexdraft-serve")
+        runs = client.search_runs([exp.experiment_id], "attributes.status = 'RUNNING'") if exp else []
+        seen = {r.data.tags["replica"]: (r.data.tags["ray_node"], r.data.tags.get("flexdraft.drafter_version", ""))
+                for r in runs if r.info.run_id not in runs_before}
+        if len(seen) >= n:
+            break
+        time.sleep(2)
+    return seen
+
+
+def _run_ids(uri: str) -> set:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name("flexdraft-serve")
+    return {r.info.run_id for r in client.search_runs([exp.experiment_id])} if exp else set()
+
+
 @pytest.mark.cluster
-def test_serve_app_runs_a_replica_on_each_node(local_cluster, tiny_smollm2, tmp_path):
-    """serve/config.yaml's app deployed to the cluster with 2 replicas of 1 CPU: one replica on each node, and
-    requests through the head's proxy are answered."""
+def test_serve_replicas_on_both_nodes_load_the_champion_from_the_server_and_roll_over_on_promotion(
+        local_cluster, tiny_smollm2, tiny_pipeline, tmp_path, monkeypatch):
+    """serve/config.yaml's app deployed to the cluster (`flexdraft serve --deploy`) with 2 replicas of 1 CPU and
+    `drafter: models:/flexdraft-drafter-tiny@champion`: one replica on each node, each downloading version 1 from
+    the cluster's MLflow server (the drafters' folders are deleted once registered: no shared path) and saying so
+    in its serving run (replica, Ray node, version); requests through the head's proxy are answered. After
+    `flexdraft drafters promote .../2 --alias champion`, deploying again rolls both replicas over to version 2 in
+    place (the same replicas, new serving runs)."""
+    import shutil
+
     import httpx
+
+    from flexdraft.training.register import register_drafter
 
     path, cfg = local_cluster
     _cli("up", path=path)
+    env = {**ENV, **cluster.client_env(cfg), "FLEXDRAFT_HOME": str(tmp_path / "client-home")}
+    for key in ("MLFLOW_TRACKING_URI", "FLEXDRAFT_HOME"):
+        monkeypatch.setenv(key, env[key])
+    data = tiny_pipeline[0].distill_dir()
+    versions = [register_drafter(recorded_pipeline(tiny_smollm2, tmp_path / "train", name, data, seed))
+                for name, seed in (("one", 1), ("two", 2))]
+    assert versions == ["models:/flexdraft-drafter-tiny/1", "models:/flexdraft-drafter-tiny/2"]
+    shutil.rmtree(tmp_path / "train")  # the registry's copies on the server are all that is left
     app_cfg = yaml.safe_load((REPO / "serve" / "config.yaml").read_text())
     app_cfg["http_options"]["port"] = 8095
     app = app_cfg["applications"][0]
+    app["runtime_env"]["env_vars"]["FLEXDRAFT_HOME"] = str(tmp_path / "replica-home")  # their own download cache
     d = app["deployments"][0]
     d["ray_actor_options"] = {"num_cpus": 1}
     d["autoscaling_config"].update(min_replicas=2, max_replicas=2)
-    d["user_config"].update(model=str(tiny_smollm2), drafter="init", store="none",
+    d["user_config"].update(model=str(tiny_smollm2), store="none", mlflow_every_s=5,
                             runtime={"device": "cpu", "dtype": "float32", "threads": 1})
     d["user_config"]["engine"].update(max_batch=4)
     (tmp_path / "serve.yaml").write_text(yaml.safe_dump(app_cfg))
-    env = {**ENV, **cluster.client_env(cfg)}
-    subprocess.run([SERVE, "deploy", str(tmp_path / "serve.yaml")], env=env, check=True, timeout=120)
+    deploy = [FLEXDRAFT, "serve", "--config", str(tmp_path / "serve.yaml"), "--deploy",
+              "--drafter", "models:/flexdraft-drafter-tiny@champion"]
+    subprocess.run(deploy, env=env, check=True, timeout=120)
     try:
         deadline, replicas = time.time() + 300, []
         while time.time() < deadline:
@@ -254,11 +298,30 @@ def test_serve_app_runs_a_replica_on_each_node(local_cluster, tiny_smollm2, tmp_
             if len(replicas) == 2:
                 break
             time.sleep(2)
-        print("replicas on nodes:", [(r["replica_id"], r["node_id"]) for r in replicas])
-        assert {r["node_id"] for r in replicas} == set(_alive_nodes(cfg).values())
+        nodes = {v: k for k, v in _alive_nodes(cfg).items()}
+        print("replicas on nodes:", [(r["replica_id"], nodes.get(r["node_id"])) for r in replicas])
+        assert {r["node_id"] for r in replicas} == set(nodes)
+        before = _served_versions(env["MLFLOW_TRACKING_URI"], set(), 2, 120)
+        print("before promotion, replica -> (node, drafter version):",
+              {k: (nodes.get(n), v) for k, (n, v) in before.items()})
+        assert {n for n, _ in before.values()} == set(nodes) and {v for _, v in before.values()} == {versions[0]}
+        assert httpx.get("http://127.0.0.1:8095/health", timeout=10).json()["drafter_version"] == versions[0]
         for _ in range(4):
             r = httpx.post("http://127.0.0.1:8095/v1/completions", json={"prompt": "Once upon", "max_tokens": 8},
                            timeout=60)
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+
+        runs_before = _run_ids(env["MLFLOW_TRACKING_URI"])
+        subprocess.run([FLEXDRAFT, "drafters", "promote", versions[1], "--alias", "champion"], env=env, check=True,
+                       timeout=60)
+        subprocess.run(deploy, env=env, check=True, timeout=120)
+        after = _served_versions(env["MLFLOW_TRACKING_URI"], runs_before, 2, 240)
+        print("after promotion and redeploy, replica -> (node, drafter version):",
+              {k: (nodes.get(n), v) for k, (n, v) in after.items()})
+        assert after.keys() == before.keys() and {v for _, v in after.values()} == {versions[1]}  # in place
+        r = httpx.post("http://127.0.0.1:8095/v1/completions", json={"prompt": "Once upon", "max_tokens": 8}, timeout=60)
+        assert r.status_code == 200
+        assert sorted(p.name for p in (tmp_path / "replica-home" / "registry" / "flexdraft-drafter-tiny").iterdir()
+                      if p.is_dir()) == ["1", "2"]
     finally:
         subprocess.run([SERVE, "shutdown", "-y"], env=env, capture_output=True, timeout=120)

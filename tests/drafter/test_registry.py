@@ -169,7 +169,9 @@ def test_promoting_another_version_switches_what_the_alias_loads_and_its_policy_
     sweep attaches its export) loads by `--policy models:/.../2`, and is refused for version 1's weights."""
     import mlflow
 
+    from flexdraft.cli.serve import pin_drafter
     from flexdraft.drafter.registry import attach_policy, lookup, resolve
+    from flexdraft.serving.config import ServeConfig, drafter_spec
     from flexdraft.models.loading import load_model
     from flexdraft.drafter.model import weights_fingerprint
     from flexdraft.speculative.policy_file import Band, Policy, save_policy
@@ -184,6 +186,9 @@ def test_promoting_another_version_switches_what_the_alias_loads_and_its_policy_
     assert "-> version 2 (was version 1)" in capsys.readouterr().out
     after, v = resolve(champion)
     assert v.version == "2" and after != before
+    user = {"drafter": champion}  # what `flexdraft serve` deploys: the alias's version now, for every replica
+    pin_drafter(user)
+    assert user["drafter_version"] == "2" and drafter_spec(from_dict(ServeConfig, user)) == second
     assert (after / "drafter.safetensors").read_bytes() != (before / "drafter.safetensors").read_bytes()
 
     fp = weights_fingerprint(load_model(model, with_tokenizer=False).model)

@@ -54,8 +54,8 @@ def cmd_promote(args) -> None:
 
     v, before = promote(args.ref, args.alias)
     was = f" (was version {before})" if before and before != v.version else (" (unchanged)" if before else "")
-    print(f"models:/{v.name}@{args.alias} -> version {v.version}{was}; replicas pick it up when redeployed "
-          f"(serve with user_config.drafter: models:/{v.name}@{args.alias})")
+    print(f"models:/{v.name}@{args.alias} -> version {v.version}{was}; Serve apps with user_config.drafter "
+          f"models:/{v.name}@{args.alias} switch when deployed again (`flexdraft serve --deploy`)")
 
 
 def cmd_report(args) -> None:

@@ -14,6 +14,7 @@ Tags on a version (all `flexdraft.*`): the target (`base_model`, `base_fingerpri
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import shutil
 import urllib.request
@@ -156,7 +157,7 @@ def resolve(ref: str, base_fingerprint: str | None = None) -> tuple[Path, Versio
     if not (folder / "drafter.json").is_file():
         import mlflow
 
-        tmp = cache.with_name(cache.name + ".tmp")
+        tmp = cache.with_name(f"{cache.name}.tmp-{os.getpid()}")  # replicas sharing a cache download side by side
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         try:
@@ -169,8 +170,14 @@ def resolve(ref: str, base_fingerprint: str | None = None) -> tuple[Path, Versio
             shutil.rmtree(tmp, ignore_errors=True)
             raise FlexDraftError(f"{v.uri} holds no drafter (expected artifacts/{ARTIFACT}/drafter.json): "
                                  "was it registered by `flexdraft pipeline`?")
-        shutil.rmtree(cache, ignore_errors=True)
-        tmp.rename(cache)
+        try:
+            tmp.rename(cache)
+        except OSError:  # another process finished first (or a broken copy is in the way: replaced)
+            if not (folder / "drafter.json").is_file():
+                shutil.rmtree(cache, ignore_errors=True)
+                tmp.rename(cache)
+            else:
+                shutil.rmtree(tmp, ignore_errors=True)
     want = v.tag("weights_digest")
     if want and weights_digest(folder) != want:
         shutil.rmtree(cache, ignore_errors=True)

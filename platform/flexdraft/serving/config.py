@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from flexdraft.core import logs
 from flexdraft.core.config import RuntimeConfig, from_dict
 from flexdraft.core.errors import FlexDraftError
+from flexdraft.drafter.registry import is_model_uri
 from flexdraft.engine.config import EngineConfig
 from flexdraft.engine.engine import LIVE_KNOBS, Engine  # (any change beyond LIVE_KNOBS needs a new engine)
 from flexdraft.speculative.policy_file import POLICY_KEYS
@@ -18,7 +19,13 @@ from flexdraft.speculative.policy_file import POLICY_KEYS
 class ServeConfig:
     """What one replica serves (Serve's `user_config`): the model, the drafter, the runtime and the engine."""
     model: str = "smollm2"
-    drafter: str = ""  # "" = the default pipeline's if trained, else no drafter (see `build`); a folder; "init"
+    # "" = the default pipeline's if trained, else no drafter (see `build`); a folder; "init"; a registered version,
+    # models:/NAME/VERSION or models:/NAME@ALIAS (downloaded by each replica from the tracking server)
+    drafter: str = ""
+    # with drafter models:/NAME@ALIAS: the version every replica loads (`flexdraft serve` pins the alias's version
+    # when it deploys, so replicas that autoscaling adds later serve the same one; a new value rolls the replicas
+    # over in place). "" = each replica resolves the alias when it starts
+    drafter_version: str = ""
     store: str = ""  # n-gram store of lookup steps: "" = the default pipeline's distilled data, a file, "none"
     served_model_name: str = ""  # the `model` clients name ("" = the model source's name)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
@@ -39,6 +46,10 @@ class ServeConfig:
             raise FlexDraftError(f"user_config.engine.{both[0]} is set by the policy file {self.policy}: remove "
                                  f"{', '.join(both)} from engine (or the policy)")
 
+        if self.drafter_version and not ("@" in self.drafter and is_model_uri(self.drafter)
+                                         and self.drafter_version.isdigit()):
+            raise FlexDraftError(f"user_config.drafter_version {self.drafter_version!r} pins the version of a "
+                                 "registered alias: it needs drafter: models:/NAME@ALIAS and a version number")
         if self.request_timeout_s <= 0 or self.drain_timeout_s < 0 or self.max_body_bytes < 1024:
             raise FlexDraftError("request_timeout_s must be > 0, drain_timeout_s >= 0 and max_body_bytes >= 1024")
 
@@ -66,6 +77,14 @@ def check_exposure(cfg: ServeConfig, host: str | None, environ=os.environ) -> No
                          "127.0.0.1, or set user_config.insecure: true (flexdraft serve --insecure)")
 
 
+def drafter_spec(cfg: ServeConfig) -> str | None:
+    """What the replica loads: `drafter`, or for an alias pinned by `drafter_version` that version
+    (models:/NAME/VERSION); None = the default pipeline's."""
+    if cfg.drafter_version:
+        return f"{cfg.drafter.split('@')[0]}/{cfg.drafter_version}"
+    return cfg.drafter or None
+
+
 def build(cfg: ServeConfig):
     """-> (loaded model, engine, a note saying what it serves). Without a drafter (none trained yet) an
     adaptive config serves in lookup mode: prompt-lookup and n-gram-store drafts verified by the target, AR steps
@@ -73,7 +92,7 @@ def build(cfg: ServeConfig):
     from flexdraft.engine.runner import load_engine
 
     ec = cfg.engine_config()
-    drafter = cfg.drafter or None
+    drafter = drafter_spec(cfg)
     if ec.mode == "adaptive" and not cfg.drafter and not cfg.policy:
         from flexdraft.drafter.recipe import default_drafter_dir
 

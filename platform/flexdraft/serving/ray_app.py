@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+import ray
 from ray import serve
 from starlette.exceptions import HTTPException
 
@@ -251,6 +252,7 @@ class FlexDraftServer:
                 self.reporter = MlflowReporter(
                     self.engine, {**dataclasses.asdict(cfg), "note": note}, f"serve-{self.name}-{ctx.replica_tag}",
                     {"app": ctx.app_name, "deployment": ctx.deployment, "replica": ctx.replica_tag,
+                     "ray_node": ray.get_runtime_context().get_node_id(),
                      "version": str(ctx.code_version), "drafter": cfg.drafter or "default",
                      **{f"flexdraft.{k}": v for k, v in engine.provenance.items()}},
                     every_s=cfg.mlflow_every_s, model_id=engine.provenance.get("drafter_model_id"))
@@ -290,7 +292,8 @@ class FlexDraftServer:
     @app.get("/health")
     def health(self):
         """200 with the engine's load while its loop runs; 503 once it has died (Serve then replaces it)."""
-        state = {**self.engine.load(), "replica": self.replica, "rss_mb": _rss_mb()}
+        state = {**self.engine.load(), "replica": self.replica, "rss_mb": _rss_mb(),
+                 "drafter_version": self.card.get("drafter_version", "")}
         return JSONResponse({"status": "ok" if state["alive"] else "dead", **state},
                             status_code=200 if state["alive"] else 503)
 
