@@ -74,7 +74,7 @@ def test_commands_run_from_outside_the_repository(installed, tiny_smollm2):
               "from flexdraft.core.config import load_yaml; from flexdraft.evaluation.harness import HarnessConfig; "
               "import importlib, yaml; cfg = load_pipeline_config(demo.DEMO_PIPELINE); "
               "load_yaml(HarnessConfig, demo.DEMO_BENCH); "
-              "serve = yaml.safe_load(demo._serve_config(cfg).read_text()); "
+              "serve = yaml.safe_load(demo._serve_config(cfg, 'models:/flexdraft-drafter-smollm2/1').read_text()); "
               "paths = {a['import_path'] for a in serve['applications']}; "
               "[getattr(importlib.import_module(p.split(':')[0]), p.split(':')[1]) for p in paths]; print(paths)")
     out = run(installed, "python", "-c", script)

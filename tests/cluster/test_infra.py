@@ -137,7 +137,8 @@ def test_the_mlflow_deployment_pod_is_a_valid_pod_template():
 def test_serve_config_v2_is_serve_config_yamls_app_and_valid_for_ray_serve(monkeypatch):
     """serveConfigV2 passes Ray Serve's ServeDeploySchema, and its application is serve/config.yaml's: the same
     import path (which imports), deployment and user_config (a valid ServeConfig), differing only where a GPU
-    cluster must (the proxy on every node and all interfaces, replicas of a GPU, up to 4 of them)."""
+    cluster must (the proxy on every node and all interfaces, replicas of a GPU, up to 4 of them) and in the
+    drafter, which comes from the model registry."""
     from ray.serve.schema import ServeDeploySchema
 
     cfg = serve_app(workload("rayservice.yaml"))
@@ -150,9 +151,12 @@ def test_serve_config_v2_is_serve_config_yamls_app_and_valid_for_ray_serve(monke
     (dep,), (local_dep,) = app["deployments"], local["deployments"]
     from_dict(ServeConfig, dep["user_config"])
     assert dep["ray_actor_options"]["num_gpus"] == 1 and dep["autoscaling_config"]["max_replicas"] == 4
+    assert dep["user_config"]["drafter"] == "models:/flexdraft-drafter-smollm2@champion"  # (no shared volume)
     for d in (dep, local_dep):
         d.pop("ray_actor_options")
         d["autoscaling_config"].pop("max_replicas")
+        for key in ("drafter", "drafter_version"):
+            d["user_config"].pop(key, None)
     assert app == local
     assert cfg["proxy_location"] == "EveryNode" and cfg["http_options"]["host"] == "0.0.0.0"
 

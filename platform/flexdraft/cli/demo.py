@@ -24,6 +24,7 @@ import yaml
 
 from flexdraft.core.config import data_dir, load_yaml, read_yaml
 from flexdraft.core.errors import FlexDraftError
+from flexdraft.evaluation.drafter_report import write_report
 from flexdraft.evaluation.harness import HarnessConfig, run_harness
 from flexdraft.evaluation.report import summary_table
 from flexdraft.drafter.recipe import PipelineConfig, load_pipeline_config
@@ -44,15 +45,16 @@ def stage(i: int, title: str) -> float:
     return time.perf_counter()
 
 
-def _train(cfg: PipelineConfig) -> tuple[PipelineConfig, dict]:
-    """Stage 1 -> (the pipeline whose drafter the tour uses, its drafter's meta)."""
+def _train(cfg: PipelineConfig) -> tuple[PipelineConfig, dict, str]:
+    """Stage 1 -> (the pipeline whose drafter the tour uses, its drafter's meta, its registered version's URI)."""
     from flexdraft.drafter.model import read_drafter_meta
     from flexdraft.training.jobs import pipeline_deadline, run_stage, shutdown_ray
+    from flexdraft.training.register import register_drafter
 
     full = PipelineConfig()  # `flexdraft pipeline --config configs/smollm2.yaml`
     if cfg.name != full.name and (full.drafter_dir("calibration") / "drafter.json").is_file():
         say(f"using the full-quality drafter of `flexdraft pipeline` at {full.drafter_dir('calibration')}")
-        return full, read_drafter_meta(full.drafter_dir("calibration"))
+        return full, read_drafter_meta(full.drafter_dir("calibration")), register_drafter(full)
     say(f"demo budget: {cfg.time_budget_min:g} min of distill + training ({DEMO_PIPELINE}); the full-quality "
         f"pipeline (~30 min) is `flexdraft pipeline --config configs/smollm2.yaml`, and later tours use its drafter")
     deadline = pipeline_deadline(cfg)
@@ -61,12 +63,12 @@ def _train(cfg: PipelineConfig) -> tuple[PipelineConfig, dict]:
             run_stage(cfg, name, deadline)
     finally:
         shutdown_ray()  # the benchmark and Serve want the cores (and Ctrl-C leaves no Ray instance)
-    return cfg, read_drafter_meta(cfg.drafter_dir("calibration"))
+    return cfg, read_drafter_meta(cfg.drafter_dir("calibration")), register_drafter(cfg)  # (registered by then)
 
 
-def _serve_config(cfg: PipelineConfig) -> Path:
+def _serve_config(cfg: PipelineConfig, drafter: str) -> Path:
     """serve/config.yaml's app twice, one replica of 1 CPU each: `flexdraft` (adaptive) at / and `flexdraft-ar` (the
-    same engine in mode ar) at /ar, the loadtest's baseline."""
+    same engine in mode ar) at /ar, the loadtest's baseline. drafter: the registered version both load."""
     base = read_yaml("serve/config.yaml", "Serve config")
     base["http_options"].update(host="127.0.0.1", port=SERVE_PORT)
     apps = []
@@ -77,7 +79,7 @@ def _serve_config(cfg: PipelineConfig) -> Path:
         d = app["deployments"][0]
         d["ray_actor_options"] = {"num_cpus": 1}
         d["autoscaling_config"].update(min_replicas=1, max_replicas=1)
-        d["user_config"].update(drafter=str(cfg.drafter_dir("calibration")), store=str(cfg.distill_dir()),
+        d["user_config"].update(drafter=drafter, store=str(cfg.distill_dir()),
                                 served_model_name="smollm2")
         d["user_config"]["engine"]["mode"] = mode
         apps.append(app)
@@ -130,12 +132,12 @@ def _client_requests(url: str) -> None:
     print(flush=True)
 
 
-def _serve(cfg: PipelineConfig) -> dict:
+def _serve(cfg: PipelineConfig, drafter: str) -> dict:
     """Stage 3: `serve run` of the two apps, requests, the loadtest; the Serve app and its Ray instance are stopped
     whatever happens. -> the loadtest's results."""
     from flexdraft.evaluation.loadtest import run_loadtest
 
-    config, log = _serve_config(cfg), data_dir() / "demo" / "serve.log"
+    config, log = _serve_config(cfg, drafter), data_dir() / "demo" / "serve.log"
     url = f"http://127.0.0.1:{SERVE_PORT}"
     serve_bin = str(Path(sys.executable).parent / "serve")
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
@@ -180,14 +182,14 @@ def run_demo(pipeline: PipelineConfig | None = None, bench: HarnessConfig | None
 
     t = stage(1, "train a drafter: self-distillation (Ray actors), attention tuning and calibration (Ray Train + "
                  "DeepSpeed)")
-    cfg, meta = _train(cfg)
+    cfg, meta, version = _train(cfg)
     times["train"] = time.perf_counter() - t
     ev = meta["eval"]
-    say(f"-> drafter {cfg.drafter_dir('calibration')}: validation tau {ev['eval/bonus/tau']:.2f} tokens per "
-        f"target forward (block drafting, masked+calibrated {ev['eval/mask_calibrated/tau']:.2f}), "
+    say(f"-> drafter {version} ({cfg.drafter_dir('calibration')}): validation tau {ev['eval/bonus/tau']:.2f} tokens "
+        f"per target forward (block drafting, masked+calibrated {ev['eval/mask_calibrated/tau']:.2f}), "
         f"{times['train'] / 60:.1f} min")
 
-    bench.drafter = bench.drafter or str(cfg.drafter_dir("calibration"))
+    bench.drafter = bench.drafter or version
     bench.store = bench.store or str(cfg.distill_dir())
     t = stage(2, f"benchmark: {', '.join(bench.methods)} x batch {bench.batch_sizes} x {', '.join(bench.datasets)}, "
                  "side by side")
@@ -196,7 +198,7 @@ def run_demo(pipeline: PipelineConfig | None = None, bench: HarnessConfig | None
     say("\n" + summary_table(results) + "\n\n" + results["noise_floor"])
 
     t = stage(3, "serve: the OpenAI-compatible Ray Serve app on 127.0.0.1, adaptive and ar side by side")
-    load = _serve(cfg)
+    load = _serve(cfg, version)
     times["serve"] = time.perf_counter() - t
     for c, r in load.items():
         say(f"-> concurrency {c}: adaptive {r['tokens_per_s']:.1f} tok/s, ar {r['baseline']['tokens_per_s']:.1f} "
@@ -208,7 +210,8 @@ def run_demo(pipeline: PipelineConfig | None = None, bench: HarnessConfig | None
         f"{ev['eval/bonus/tau']:.2f}\n")
     say(f"done in {(time.perf_counter() - t_start) / 60:.1f} min ("
         + ", ".join(f"{k} {v / 60:.1f}" for k, v in times.items()) + ")\n"
-        f"  drafter:    {cfg.drafter_dir('calibration')}\n"
+        f"  drafter:    {version} (flexdraft drafters show {version})\n"
+        f"  report:     {write_report(version)}\n"
         f"  benchmark:  {results['output_dir']}/results.md (per dataset), *.png (plots)\n"
         f"  loadtest:   {data_dir() / 'demo' / 'loadtest.json'}\n"
         + _dashboards([cfg.mlflow_experiment, bench.mlflow_experiment, "flexdraft-serve", "flexdraft-loadtest"]) +
