@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import ENV, REPO, make_tiny_hf, write_jsonl
+from conftest import ENV, REPO, make_tiny_hf, recorded_pipeline, write_jsonl
 from flexdraft.cli.main import main
 from flexdraft.core.config import RuntimeConfig, from_dict
 from flexdraft.drafter.model import Drafter, DrafterConfig
@@ -160,15 +160,22 @@ def _runs(uri: str, experiment: str = "flexdraft-sweeps") -> tuple:
     return parents[0], children, client
 
 
-def test_decode_sweep_is_resumed_after_ctrl_c_and_exports_a_policy_generate_takes(ray_head, tiny_smollm2, tmp_path,
-                                                                                  mlflow_uri, capsys):
-    """Two decode trials over the `init` drafter: interrupted while the second runs, resumed; each trial has one
-    nested MLflow run with its params and one objective (nothing measured twice); the policy file decodes."""
+def test_decode_sweep_is_resumed_after_ctrl_c_and_exports_a_policy_generate_takes(ray_head, tiny_smollm2, tiny_pipeline,
+                                                                                  tmp_path, mlflow_uri, capsys):
+    """Two decode trials over a registered drafter (`models:/flexdraft-drafter-tiny@champion`): interrupted while
+    the second runs, resumed; each trial has one nested MLflow run with its params and one objective (nothing
+    measured twice); the exported policy is attached to the drafter's version, and `--policy` with the version's
+    URI decodes with it."""
+    from flexdraft.drafter.registry import lookup
+    from flexdraft.training.register import register_drafter
+
+    version = register_drafter(recorded_pipeline(tiny_smollm2, tmp_path, "tiny", tiny_pipeline[0].distill_dir(), 1))
     config = tmp_path / "decode.yaml"
     prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"messages": [{"role": "user", "content": q}]} for q in
                                                        ("Name three rivers.", "What is a prime number?")])
     config.write_text(yaml.safe_dump({
-        "name": "tiny-decode", "model": str(tiny_smollm2), "drafter": "init", "threads": 1, "prompts": str(prompts),
+        "name": "tiny-decode", "model": str(tiny_smollm2), "drafter": "models:/flexdraft-drafter-tiny@champion",
+        "threads": 1, "prompts": str(prompts),
         "space": {"switch_batch": [1, 4], "cost_model": [True, False]}, "first": [{}, {"cost_model": False}],
         "trials": 2, "time_budget_min": 10,
         "objective": {"batch_sizes": [1, 2], "weights": [1, 1], "prompts": 2, "max_new_tokens": 8}}))
@@ -184,10 +191,12 @@ def test_decode_sweep_is_resumed_after_ctrl_c_and_exports_a_policy_generate_take
     assert {a.path for a in client.list_artifacts(parent.info.run_id)} >= {"results.md", "policy.yaml",
                                                                          "policy-fixed.yaml", "throughput_vs_S.png"}
     results = (root / "results.md").read_text()
-    assert "Fixed threshold (S only) against the cost model" in results
+    assert "Fixed threshold (S only) against the cost model" in results and f"attached to {version}" in results
     policy = load_policy(root / "policy.yaml")
-    assert policy.drafter["fingerprint"] == "init-k2-B8" and policy.source["best_trial"]
-    assert main(["generate", "--model", str(tiny_smollm2), "--drafter", "init", "--policy", str(root / "policy.yaml"),
+    v = lookup(version)
+    assert policy.drafter["fingerprint"] == v.tag("weights_digest") and policy.source["best_trial"]
+    assert v.tag("policy.run_id") == parent.info.run_id and v.tag("policy.sweep") == "tiny-decode"
+    assert main(["generate", "--model", str(tiny_smollm2), "--drafter", version, "--policy", version,
                  "--prompt", "hi", "--max-new-tokens", "4"]) == 0
 
 

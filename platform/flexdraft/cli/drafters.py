@@ -1,6 +1,6 @@
-"""`flexdraft drafters list | show REF | promote REF --alias NAME`: the registered drafters (a thin layer over
-MLflow's model registry, `drafter.registry`) and `flexdraft report REF`, the page that puts one version's
-validation, benchmark, sweep, serving and load-test results side by side."""
+"""`flexdraft drafters list | show REF | lineage REF | promote REF --alias NAME`: the registered drafters (a thin
+layer over MLflow's model registry, `drafter.registry`) and `flexdraft report REF`, the page that puts one
+version's validation, benchmark, sweep, serving and load-test results side by side."""
 from __future__ import annotations
 
 import json
@@ -58,6 +58,13 @@ def cmd_promote(args) -> None:
           f"models:/{v.name}@{args.alias} switch when deployed again (`flexdraft serve --deploy`)")
 
 
+def cmd_lineage(args) -> None:
+    from flexdraft.evaluation.drafter_report import lineage_rows
+
+    for step, what in lineage_rows(args.ref):
+        print(f"{step:<16} {what}")
+
+
 def cmd_report(args) -> None:
     from flexdraft.evaluation.drafter_report import write_report
 
@@ -76,6 +83,10 @@ def register(sub) -> None:
     sh.add_argument("ref", help="models:/NAME/VERSION, models:/NAME@ALIAS or models:/NAME/latest")
     sh.add_argument("--json", action="store_true")
     sh.set_defaults(func=cmd_show)
+    li = dsub.add_parser("lineage", help="data -> distill, attention, calibration runs -> version -> sweep + "
+                                         "policy -> serving runs -> load tests, from the MLflow API")
+    li.add_argument("ref", help="models:/NAME/VERSION, models:/NAME@ALIAS or models:/NAME/latest")
+    li.set_defaults(func=cmd_lineage)
     pr = dsub.add_parser("promote", help="point an alias (champion, canary, ...) at a version")
     pr.add_argument("ref", help="the version: models:/NAME/VERSION (or @ALIAS, latest)")
     pr.add_argument("--alias", default="champion", help="the alias to set (default: champion)")

@@ -71,6 +71,15 @@ def lineage(c, v: Version, serving: list, loadtests: list) -> Section:
     return Section("Lineage", tables=[(["step", "what"], rows)])
 
 
+def lineage_rows(ref: str) -> list[list[str]]:
+    """The lineage of a registered version as (step, what) rows (`flexdraft drafters lineage`)."""
+    c = client()
+    v = lookup(ref, c)
+    digest = v.tag("weights_digest")
+    serving, loadtest = ((_runs(c, EXPERIMENTS[k], digest) if digest else []) for k in ("serve", "loadtest"))
+    return lineage(c, v, serving, loadtest).tables[0][1]
+
+
 def validation(v: Version) -> Section:
     names = {"bonus": "bonus known (sequential, parallel)", "mask": "masked slot 0", "mask_calibrated":
              "masked + calibrated", "tree8": "8-node token tree", "tree16": "16-node token tree"}

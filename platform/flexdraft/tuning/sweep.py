@@ -243,7 +243,8 @@ def prepare(cfg: SweepConfig) -> Prepared:
             block, k = DrafterConfig().block_size, min(DrafterConfig().k, max(1, args.n_layers // 2))
         else:
             if is_model_uri(cfg.drafter):  # downloaded once here; each trial checks it against the target
-                path = resolve(cfg.drafter)[0]
+                path, version = resolve(cfg.drafter)
+                cfg.drafter = version.uri  # an alias, pinned: every trial and the exported policy are this version's
             else:
                 path = Path(cfg.drafter).expanduser() if cfg.drafter else default_drafter_dir()
             if not (path / "drafter.json").is_file():

@@ -168,7 +168,8 @@ def run(cfg: sw.SweepConfig, prepared: sw.Prepared, resume: bool) -> dict:
 def main(argv: list[str] | None = None, prog: str = "flexdraft sweep") -> None:
     parser = argparse.ArgumentParser(prog=prog, description="FlexDraft sweep on Ray Tune")
     parser.add_argument("--config", required=True, help="sweep YAML (tuning/configs/decode.yaml, training.yaml)")
-    parser.add_argument("--drafter", help="decode sweeps: the drafter to sweep over (a folder, or init)")
+    parser.add_argument("--drafter", help="decode sweeps: the drafter to sweep over (a folder, models:/NAME@ALIAS or "
+                                          "models:/NAME/VERSION, or init)")
     parser.add_argument("--resume", action="store_true", help="continue the interrupted sweep of this name")
     args = parser.parse_args(argv)
     try:
