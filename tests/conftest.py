@@ -203,7 +203,7 @@ def recorded_pipeline(model: Path, root: Path, name: str, data: Path, seed: int)
             ev = {"eval/bonus/tau": 1.25 + seed / 100, "eval/mask/tau": 1.1}
             folder = save_drafter(drafter, cfg.drafter_dir(stage), str(model), weights_fingerprint(target),
                                   {"stage": stage, "eval": ev, "steps": 3})
-            mlflow.set_tag("flexdraft.model_id", log_stage_model(folder, stage, ev))
+            mlflow.set_tag("flexdraft.model_id", log_stage_model(folder, stage, ev, data))
     return cfg
 
 

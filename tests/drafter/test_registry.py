@@ -144,7 +144,10 @@ def test_a_registered_drafter_decodes_from_its_uri_exactly_as_from_its_folder(ho
     assert v.tag("run.attention") == runs["attention"] and v.tag("run.calibration") == runs["calibration"]
     assert v.tag("dataset.sequences") == "24" and v.tag("dataset.digest") and v.model_id.startswith("m-")
     logged = MlflowClient().get_logged_model(v.model_id)
-    assert logged.source_run_id == runs["calibration"] and logged.metrics  # validation tau linked to the model
+    assert logged.source_run_id == runs["calibration"] and v.run_id == runs["calibration"]
+    assert name in logged.tags["mlflow.modelVersions"]  # (the UI's link from the logged model to its version)
+    # its validation tau, linked to the model and to the data set it was measured on
+    assert {m.dataset_digest for m in logged.metrics} == {v.tag("dataset.digest")} and logged.metrics
 
     code, from_uri, err = generate(capsys, model, f"models:/{name}@champion")
     assert code == 0 and f"models:/{name}@champion (version 1)" in err
@@ -153,6 +156,15 @@ def test_a_registered_drafter_decodes_from_its_uri_exactly_as_from_its_folder(ho
     assert generate(capsys, model, str(cfg.drafter_dir("calibration")))[1] == from_uri
     assert generate(capsys, model, f"models:/{name}/1", "--mode", "ar")[1] == from_uri
     assert cached.stat().st_mtime_ns == stamp  # downloaded once
+
+    # the MLflow model itself: pyfunc.load_model + predict answers a chat prompt as `generate --chat` does
+    import mlflow
+
+    answer, = mlflow.pyfunc.load_model(f"models:/{name}@champion").predict(["Hello there"],
+                                                                          params={"max_new_tokens": 12})
+    assert main(["generate", "--model", str(model), "--drafter", f"models:/{name}/1", "--chat", "--prompt",
+                 "Hello there", "--max-new-tokens", "12"]) == 0
+    assert capsys.readouterr().out.strip() == answer.strip()
 
     assert main(["drafters", "list"]) == 0
     listed = capsys.readouterr().out

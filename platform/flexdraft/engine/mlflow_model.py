@@ -6,6 +6,7 @@ only copy MLflow keeps) and whose code is `pyfunc_model.py` (MLflow's models-fro
 from __future__ import annotations
 
 import os
+import warnings
 from importlib import metadata
 from pathlib import Path
 
@@ -28,14 +29,19 @@ def requirements() -> list[str]:
     return out
 
 
-def log_drafter_model(folder: Path, params: dict, metrics: dict[str, float], tags: dict[str, str]) -> str:
+def log_drafter_model(folder: Path, params: dict, metrics: dict[str, float], tags: dict[str, str],
+                      dataset=None) -> str:
     """Log `folder` as an MLflow model of the active run (its artifact `drafter`), with `params`, `tags` and the
-    validation `metrics` linked to it -> the LoggedModel's id (register it with `mlflow.register_model`)."""
+    validation `metrics` linked to it (and to `dataset`, the MLflow dataset they were measured on) -> the
+    LoggedModel's id (register it with `mlflow.register_model`)."""
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # (one bar per file in the job log)
-    info = mlflow.pyfunc.log_model(name="drafter", python_model=str(Path(__file__).with_name("pyfunc_model.py")),
-                                   artifacts={ARTIFACT: str(folder)},
-                                   pip_requirements=requirements(), params={k: str(v) for k, v in params.items()},
-                                   tags=tags, model_type="flexdraft-drafter")
+    signature = mlflow.models.infer_signature(["What is 2 + 2?"], ["2 + 2 = 4."], params={"max_new_tokens": 128})
+    with warnings.catch_warnings():  # no type hints (see pyfunc_model) and no input example: an example would make
+        warnings.filterwarnings("ignore", message=".*(type hints|input example)")  # MLflow load the target to run it
+        info = mlflow.pyfunc.log_model(name="drafter", python_model=str(Path(__file__).with_name("pyfunc_model.py")),
+                                       artifacts={ARTIFACT: str(folder)}, signature=signature,
+                                       pip_requirements=requirements(), params={k: str(v) for k, v in params.items()},
+                                       tags=tags, model_type="flexdraft-drafter")
     if metrics:
-        mlflow.log_metrics(metrics, model_id=info.model_id)
+        mlflow.log_metrics(metrics, model_id=info.model_id, dataset=dataset)
     return info.model_id

@@ -21,7 +21,9 @@ class DrafterModel(mlflow.pyfunc.PythonModel):
         self.folder = Path(context.artifacts[ARTIFACT])
         self.engine = self.lm = None
 
-    def predict(self, context, model_input: list[str], params: dict | None = None) -> list[str]:
+    # (no type hints: MLflow would take its signature from them, which cannot carry the `max_new_tokens` param;
+    # mlflow_model.log_drafter_model gives the signature)
+    def predict(self, context, model_input, params=None):
         from flexdraft.core.config import RuntimeConfig
         from flexdraft.core.data import chat_ids
         from flexdraft.drafter.model import read_drafter_meta
@@ -34,7 +36,8 @@ class DrafterModel(mlflow.pyfunc.PythonModel):
             self.lm, self.engine, _ = load_engine(meta["base_model"], RuntimeConfig(), str(self.folder),
                                                   EngineConfig(mode="adaptive"), store_spec="none")
         tok = self.lm.tokenizer
-        prompts = [chat_ids(tok, [{"role": "user", "content": str(m)}]) for m in model_input]
+        messages = model_input.iloc[:, 0].tolist() if hasattr(model_input, "iloc") else list(model_input)
+        prompts = [chat_ids(tok, [{"role": "user", "content": str(m)}]) for m in messages]
         sampling = SamplingParams(max_new_tokens=int((params or {}).get("max_new_tokens", 128)))
         return [tok.decode(g.token_ids, skip_special_tokens=True) for g in self.engine.generate(prompts, sampling)]
 

@@ -154,21 +154,23 @@ def serving(c, runs: list, out: Path) -> Section:
 def loadtests(runs: list, out: Path) -> Section:
     s = Section("Load tests (flexdraft loadtest)")
     c = client()
-    series, rows = {}, []
+    series = {}
     for r in runs:
         hist = sorted((p.step, p.value) for p in c.get_metric_history(r.info.run_id, "speedup"))
-        if not hist:
-            continue
-        label = f"{r.data.params.get('dataset', '?')} {_when(r.info.start_time)}"
-        series[label] = hist
-        rows.append([label, f"{r.data.tags.get('flexdraft.app', '?')}"] + [f"c{k}: {x:.2f}x" for k, x in hist])
-    if not rows:
+        if hist:
+            series[(f"{r.data.params.get('dataset', '?')} {_when(r.info.start_time)}",
+                    r.data.tags.get("flexdraft.app", "?"))] = dict(hist)
+    if not series:
         s.text.append("No load test against a baseline yet: `flexdraft loadtest --url ... --baseline ...`.")
         return s
-    width = max(len(r) for r in rows)
-    s.tables.append((["run", "app"] + ["speed-up"] * (width - 2), [r + [""] * (width - len(r)) for r in rows]))
+    levels = sorted({level for per in series.values() for level in per})
+    s.text.append("Served tok/s over the baseline endpoint's (the same app in AR mode, as `make demo` runs it), "
+                  "by concurrency.")
+    s.tables.append((["run", "app"] + [f"concurrency {level}" for level in levels],
+                     [[run, app] + [f"{per[level]:.2f}x" if level in per else "-" for level in levels]
+                      for (run, app), per in series.items()]))
     s.images.append(_plot(out / "loadtest.png", "served speed-up over AR by concurrency", "concurrency", "x AR",
-                          series, log_x=True))
+                          {run: sorted(per.items()) for (run, _), per in series.items()}, log_x=True))
     return s
 
 
@@ -209,7 +211,7 @@ def _html(title: str, sections: list[Section]) -> str:
     body = [f"<h1>{e(title)}</h1>"]
     for s in sections:
         body.append(f"<h2>{e(s.title)}</h2>")
-        body += [f"<p>{e(t)}</p>" for t in s.text]
+        body += [f"<p>{re.sub(r'`([^`]+)`', r'<code>\1</code>', e(t))}</p>" for t in s.text]
         for header, rows in s.tables:
             body.append("<table><tr>" + "".join(f"<th>{e(h)}</th>" for h in header) + "</tr>"
                         + "".join("<tr>" + "".join(f"<td>{e(c)}</td>" for c in row) + "</tr>" for row in rows)

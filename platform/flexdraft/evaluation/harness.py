@@ -44,7 +44,7 @@ log = logs.get("bench")
 @dataclass
 class HarnessConfig:
     model: str = "smollm2"
-    drafter: str = ""  # "" = the default pipeline's drafter; a folder; or "init"
+    drafter: str = ""  # "" = the default pipeline's drafter; a folder; models:/NAME/VERSION or models:/NAME@ALIAS; "init"
     store: str = ""  # n-gram store of lookup steps: "" = the default pipeline's (if distilled), a file or folder, "none"
     device: str = "auto"
     dtype: str = "auto"  # bfloat16 where the device has native bf16, else float32 (hardware.probe)

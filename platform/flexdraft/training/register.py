@@ -45,8 +45,9 @@ def distilled_dataset(folder: Path):
     return Distilled(source, name=f"distill-{folder.name}", digest=h.hexdigest()[:10])
 
 
-def log_stage_model(folder: Path, stage: str, final: dict) -> str:
-    """A finished stage's drafter as the active run's MLflow model -> its LoggedModel id."""
+def log_stage_model(folder: Path, stage: str, final: dict, data: Path | None = None) -> str:
+    """A finished stage's drafter as the active run's MLflow model -> its LoggedModel id. data: the distilled data
+    folder, whose validation split `final` was measured on (linked as the metrics' dataset)."""
     from flexdraft.drafter.model import read_drafter_meta
     from flexdraft.drafter.registry import weights_digest
     from flexdraft.engine.mlflow_model import log_drafter_model
@@ -55,7 +56,8 @@ def log_stage_model(folder: Path, stage: str, final: dict) -> str:
     params = {**meta["config"], "stage": stage, "base_model": meta["base_model"],
               "base_fingerprint": meta["base_fingerprint"], "format": meta["format"]}
     return log_drafter_model(folder, params, {k: float(v) for k, v in final.items()},
-                             {"flexdraft.stage": stage, "flexdraft.weights_digest": weights_digest(folder)})
+                             {"flexdraft.stage": stage, "flexdraft.weights_digest": weights_digest(folder)},
+                             distilled_dataset(data) if data is not None else None)
 
 
 def stage_run_id(cfg: PipelineConfig, stage: str) -> str:
@@ -86,7 +88,7 @@ def register_drafter(cfg: PipelineConfig) -> str:
     model_id = calibration.data.tags.get("flexdraft.model_id")
     if not model_id:  # trained before drafters were MLflow models: log it now, into its own run
         with mlflow.start_run(run_id=runs["calibration"]):
-            model_id = log_stage_model(folder, "calibration", meta.get("eval", {}))
+            model_id = log_stage_model(folder, "calibration", meta.get("eval", {}), cfg.distill_dir())
             mlflow.set_tag("flexdraft.model_id", model_id)
     name = registered_name(meta["base_model"])
     if client.search_registered_models(f"name='{name}'"):
@@ -109,11 +111,11 @@ def register_drafter(cfg: PipelineConfig) -> str:
             "dataset.sequences": sum(split["sequences"] for split in dataset.profile.values()),
             "pipeline": cfg.name, "weights_digest": weights_digest(folder), "git_commit": git_commit(),
             "hw.cpu": hardware()["cpu"], "trained_steps": meta.get("steps", "")}
-    mv = client.create_model_version(name, f"{SCHEME}{model_id}", run_id=runs["calibration"],
-                                     tags={TAG + k: str(v) for k, v in tags.items()}, model_id=model_id,
-                                     description=f"pipeline {cfg.name}: k={meta['config']['k']}, "
-                                                 f"B={meta['config']['block_size']}, validation tau "
-                                                 f"{ev.get(TAU_KEYS['bonus'], float('nan')):.2f} (bonus known)")
+    # (mlflow.register_model, not the client's create_model_version: it also links the LoggedModel to the version)
+    mv = mlflow.register_model(f"{SCHEME}{model_id}", name, tags={TAG + k: str(v) for k, v in tags.items()})
+    client.update_model_version(name, mv.version, description=f"pipeline {cfg.name}: k={meta['config']['k']}, "
+                                f"B={meta['config']['block_size']}, validation tau "
+                                f"{ev.get(TAU_KEYS['bonus'], float('nan')):.2f} (bonus known)")
     uri = f"{SCHEME}{name}/{mv.version}"
     if "champion" not in (client.get_registered_model(name).aliases or {}):
         client.set_registered_model_alias(name, "champion", mv.version)
