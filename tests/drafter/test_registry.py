@@ -172,6 +172,15 @@ def test_a_registered_drafter_decodes_from_its_uri_exactly_as_from_its_folder(ho
     assert main(["drafters", "show", f"models:/{name}/latest"]) == 0
     shown = capsys.readouterr().out
     assert runs["calibration"] in shown and "dataset.digest" in shown
+    # the lineage and the report, from the MLflow API: the runs that made it, the page with its validation tau
+    assert main(["drafters", "lineage", f"models:/{name}@champion"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines[:5]] == ["dataset", "distill", "attention", "calibration", "model"]
+    assert runs["attention"][:8] in lines[2] and runs["calibration"][:8] in lines[3] and v.model_id in lines[4]
+    assert main(["report", f"models:/{name}@champion", "--out", str(tmp_path / "report")]) == 0
+    page = (tmp_path / "report" / "report.html").read_text()
+    assert "<h2>Validation</h2>" in page and "1.2600" in page and runs["calibration"][:8] in page
+    assert lookup(f"models:/{name}/1").tag("report.last_run")
 
 
 def test_promoting_another_version_switches_what_the_alias_loads_and_its_policy_follows_the_version(

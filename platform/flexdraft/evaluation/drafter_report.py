@@ -211,7 +211,7 @@ def _html(title: str, sections: list[Section]) -> str:
     body = [f"<h1>{e(title)}</h1>"]
     for s in sections:
         body.append(f"<h2>{e(s.title)}</h2>")
-        body += [f"<p>{re.sub(r'`([^`]+)`', r'<code>\1</code>', e(t))}</p>" for t in s.text]
+        body += ["<p>" + re.sub(r"`([^`]+)`", r"<code>\1</code>", e(t)) + "</p>" for t in s.text]
         for header, rows in s.tables:
             body.append("<table><tr>" + "".join(f"<th>{e(h)}</th>" for h in header) + "</tr>"
                         + "".join("<tr>" + "".join(f"<td>{e(c)}</td>" for c in row) + "</tr>" for row in rows)
