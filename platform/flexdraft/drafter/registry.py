@@ -28,7 +28,7 @@ from flexdraft.core.tracking import tracking_uri
 SCHEME = "models:/"
 ARTIFACT = "drafter"  # the drafter folder inside the model's artifacts (artifacts/drafter/)
 TAG = "flexdraft."
-_REF = re.compile(r"^models:/(?P<name>[^/@]+)(?:/(?P<version>\d+|latest)|@(?P<alias>[\w-]+))$")
+_REF = re.compile(r"^models:/(?P<name>[\w.-]+)(?:/(?P<version>\d+|latest)|@(?P<alias>[\w-]+))$")
 
 
 def is_model_uri(ref: str | None) -> bool:

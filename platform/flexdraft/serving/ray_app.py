@@ -238,7 +238,10 @@ class FlexDraftServer:
             return
         if self.engine is not None:
             log.info("model, drafter, runtime or engine shape changed: building a new engine in this replica")
-        lm, engine, note = build(cfg)
+        try:  # (e.g. a models:/ drafter that is missing, unreachable or for another target: Serve's status says why)
+            lm, engine, note = build(cfg)
+        except FlexDraftError as e:
+            raise ValueError(f"bad user_config: {e}") from None
         old, old_reporter, self.lm, self.cfg = self.engine, self.reporter, lm, cfg
         Guard.max_body_bytes, Guard.api_key_env = cfg.max_body_bytes, cfg.api_key_env
         self.name = cfg.served_model_name or lm.name

@@ -109,8 +109,10 @@ def register_drafter(cfg: PipelineConfig) -> str:
             **{f"run.{s}": r for s, r in runs.items() if r},
             "dataset.name": dataset.name, "dataset.digest": dataset.digest, "dataset.source": dataset.source.uri,
             "dataset.sequences": sum(split["sequences"] for split in dataset.profile.values()),
-            "pipeline": cfg.name, "weights_digest": weights_digest(folder), "git_commit": git_commit(),
-            "hw.cpu": hardware()["cpu"], "trained_steps": meta.get("steps", "")}
+            "pipeline": cfg.name, "weights_digest": weights_digest(folder), "trained_steps": meta.get("steps", ""),
+            # what the calibration run recorded (its code and machine), not what registers it
+            "git_commit": calibration.data.tags.get("git_commit") or git_commit(),
+            "hw.cpu": calibration.data.tags.get("hw.cpu") or hardware()["cpu"]}
     # (mlflow.register_model, not the client's create_model_version: it also links the LoggedModel to the version)
     mv = mlflow.register_model(f"{SCHEME}{model_id}", name, tags={TAG + k: str(v) for k, v in tags.items()})
     client.update_model_version(name, mv.version, description=f"pipeline {cfg.name}: k={meta['config']['k']}, "
