@@ -30,10 +30,10 @@ def requirements() -> list[str]:
 
 
 def log_drafter_model(folder: Path, params: dict, metrics: dict[str, float], tags: dict[str, str],
-                      dataset=None) -> str:
-    """Log `folder` as an MLflow model of the active run (its artifact `drafter`), with `params`, `tags` and the
-    validation `metrics` linked to it (and to `dataset`, the MLflow dataset they were measured on) -> the
-    LoggedModel's id (register it with `mlflow.register_model`)."""
+                      dataset=None, step: int = 0) -> str:
+    """Log `folder` as an MLflow model of the active run (its artifact `drafter`), with `params`, `tags`, and the
+    validation `metrics` logged to the run at `step` and linked to the model (and to `dataset`, the MLflow dataset
+    they were measured on) -> the LoggedModel's id (register it with `mlflow.register_model`)."""
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # (one bar per file in the job log)
     signature = mlflow.models.infer_signature(["What is 2 + 2?"], ["2 + 2 = 4."], params={"max_new_tokens": 128})
     with warnings.catch_warnings():  # no type hints (see pyfunc_model) and no input example: an example would make
@@ -43,5 +43,5 @@ def log_drafter_model(folder: Path, params: dict, metrics: dict[str, float], tag
                                        pip_requirements=requirements(), params={k: str(v) for k, v in params.items()},
                                        tags=tags, model_type="flexdraft-drafter")
     if metrics:
-        mlflow.log_metrics(metrics, model_id=info.model_id, dataset=dataset)
+        mlflow.log_metrics(metrics, step=step, model_id=info.model_id, dataset=dataset)
     return info.model_id

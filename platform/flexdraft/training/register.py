@@ -45,9 +45,10 @@ def distilled_dataset(folder: Path):
     return Distilled(source, name=f"distill-{folder.name}", digest=h.hexdigest()[:10])
 
 
-def log_stage_model(folder: Path, stage: str, final: dict, data: Path | None = None) -> str:
-    """A finished stage's drafter as the active run's MLflow model -> its LoggedModel id. data: the distilled data
-    folder, whose validation split `final` was measured on (linked as the metrics' dataset)."""
+def log_stage_model(folder: Path, stage: str, final: dict, data: Path | None = None, step: int = 0) -> str:
+    """A finished stage's drafter as the active run's MLflow model, its final evaluation `final` logged at `step`
+    and linked to it -> its LoggedModel id. data: the distilled data folder, whose validation split `final` was
+    measured on (linked as the metrics' dataset)."""
     from flexdraft.drafter.model import read_drafter_meta
     from flexdraft.drafter.registry import weights_digest
     from flexdraft.engine.mlflow_model import log_drafter_model
@@ -57,7 +58,7 @@ def log_stage_model(folder: Path, stage: str, final: dict, data: Path | None = N
               "base_fingerprint": meta["base_fingerprint"], "format": meta["format"]}
     return log_drafter_model(folder, params, {k: float(v) for k, v in final.items()},
                              {"flexdraft.stage": stage, "flexdraft.weights_digest": weights_digest(folder)},
-                             distilled_dataset(data) if data is not None else None)
+                             distilled_dataset(data) if data is not None else None, step)
 
 
 def stage_run_id(cfg: PipelineConfig, stage: str) -> str:
@@ -88,7 +89,8 @@ def register_drafter(cfg: PipelineConfig) -> str:
     model_id = calibration.data.tags.get("flexdraft.model_id")
     if not model_id:  # trained before drafters were MLflow models: log it now, into its own run
         with mlflow.start_run(run_id=runs["calibration"]):
-            model_id = log_stage_model(folder, "calibration", meta.get("eval", {}), cfg.distill_dir())
+            model_id = log_stage_model(folder, "calibration", meta.get("eval", {}), cfg.distill_dir(),
+                                       int(meta.get("steps", 0)))
             mlflow.set_tag("flexdraft.model_id", model_id)
     name = registered_name(meta["base_model"])
     if client.search_registered_models(f"name='{name}'"):

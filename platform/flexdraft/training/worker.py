@@ -287,8 +287,8 @@ class Worker:
             self.mlflow.log_metrics(throughput, step=steps)
             folder = save_drafter(self.engine.module, self.cfg.drafter_dir(self.stage), self.lm.name,
                                   weights_fingerprint(self.lm.model), info)
-            self.mlflow.log_metrics({k: float(v) for k, v in final.items()}, step=steps)
-            model_id = log_stage_model(folder, self.stage, final, self.cfg.distill_dir())
+            # (the final evaluation: logged at the last step, linked to the model and its data set)
+            model_id = log_stage_model(folder, self.stage, final, self.cfg.distill_dir(), steps)
             self.mlflow.set_tags({"drafter_path": str(folder), "flexdraft.model_id": model_id})
             self.mlflow.end_run()
         ray.train.report({**final, "step": steps})

@@ -48,8 +48,15 @@ def _restored(checkpoint) -> dict:
         return {int(b): r for b, r in json.loads(Path(d, "results.json").read_text()).items()}
 
 
+def _in_the_sweeps_store(parent: dict) -> None:
+    """A trial runs in a Ray worker, whose environment is its node's, not the driver's: everything the trial
+    tracks (its Ray Train runs, a drafter it registers) and resolves (a models:/ drafter) uses the sweep's store."""
+    os.environ["MLFLOW_TRACKING_URI"] = parent["uri"]
+
+
 def decode_trial(config: dict, sweep: dict, pipeline: dict, prompts: list, parent: dict) -> None:
     """One decode-time configuration over the sweep's drafter: its policy against AR at each batch size."""
+    _in_the_sweeps_store(parent)
     cfg = from_dict(sw.SweepConfig, sweep)
     params = config["params"]
     with rec.TrialRun(parent, tune.get_context().get_trial_id(), params) as run:
@@ -67,6 +74,7 @@ def training_trial(config: dict, sweep: dict, pipeline: dict, prompts: list, par
 
     from flexdraft.training.register import register_drafter
 
+    _in_the_sweeps_store(parent)
     cfg = from_dict(sw.SweepConfig, sweep)
     cfg.threads = cfg.threads or len(os.sched_getaffinity(0))  # (the trial holds no CPU: Ray's OMP_NUM_THREADS is 1)
     params, trial_id = config["params"], tune.get_context().get_trial_id()
