@@ -28,15 +28,15 @@ def cmd_list(args) -> None:
 
 
 def cmd_show(args) -> None:
-    from flexdraft.drafter.registry import TAG, lookup, parse
+    from flexdraft.drafter.registry import TAG, lookup
 
-    parse(args.ref)
     v = lookup(args.ref)
     if args.json:
         print(json.dumps(v.__dict__, indent=1))
         return
     print(f"{v.uri}" + (f"  (aliases: {', '.join('@' + a for a in v.aliases)})" if v.aliases else ""))
-    print(f"  {v.description}" if v.description else "", end="\n" if v.description else "")
+    if v.description:
+        print(f"  {v.description}")
     print(f"  registered {_when(v.created_ms)} from LoggedModel {v.model_id or '?'} (run {v.run_id})")
     groups: dict[str, list[tuple[str, str]]] = {}
     for key, value in sorted(v.tags.items()):
