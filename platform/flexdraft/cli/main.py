@@ -3,6 +3,7 @@ this one builds the parser from their `register`s and runs the chosen command.""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from flexdraft.cli import bench, cluster, console, demo_cmd, drafters, env, generate, serve, train
@@ -30,6 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     except FlexDraftError as e:
         print(f"flexdraft: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader left (`flexdraft drafters list | head`): not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (so the exit's flush does not fail again)
+        return 0
     except KeyboardInterrupt:  # what a command started is stopped by its own `finally`s first
         print(f"flexdraft {args.command}: interrupted", file=sys.stderr)
         return 130
