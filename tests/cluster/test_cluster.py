@@ -212,7 +212,8 @@ def test_sweep_trials_run_on_both_nodes(local_cluster, tiny_smollm2, tmp_path):
     prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"messages": [{"role": "user", "content": q}]} for q in
                                                        ("Name three rivers.", "What is a prime number?")])
     (tmp_path / "sweep.yaml").write_text(yaml.safe_dump({
-        "name": f"cluster-{tmp_path.name}", "model": str(tiny_smollm2), "drafter": "init", "store": "none",
+        "name": f"cluster-{tmp_path.name}", "output_dir": str(tmp_path / "sweep"),  # (not a user's earlier one)
+        "model": str(tiny_smollm2), "drafter": "init", "store": "none",
         "threads": 1, "prompts": str(prompts), "space": {"switch_batch": [1, 4]}, "first": [{}, {"switch_batch": 1}],
         "trials": 2, "max_concurrent_trials": 2, "time_budget_min": 10,
         "objective": {"batch_sizes": [1], "weights": [1], "prompts": 2, "max_new_tokens": 8}}))
