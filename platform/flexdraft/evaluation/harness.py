@@ -366,9 +366,9 @@ def run_harness(cfg: HarnessConfig) -> dict:
                                                             if profile else ""))
         plot(results, out)
         mean_speedups = {f"mean_speedup_ar.{m}.b{b}": v for m, per in results["summary"].items() for b, v in per.items()}
-        mlflow.log_metrics(mean_speedups)
-        if choice.version is not None:  # a registered drafter: its LoggedModel shows these beside its validation
-            mlflow.log_metrics(mean_speedups, model_id=choice.version.model_id)
+        # (a registered drafter: its LoggedModel shows them beside its validation tau)
+        mlflow.log_metrics(mean_speedups, model_id=choice.version.model_id if choice.version else None)
+        if choice.version is not None:
             set_tags(choice.version, {"bench.last_run": run.info.run_id})
         mlflow.log_artifacts(str(out))
         if results["noise_floor"]:
