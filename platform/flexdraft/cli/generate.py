@@ -31,8 +31,8 @@ def cmd_generate(args) -> None:
     if args.policy and args.mode:
         raise FlexDraftError("--policy sets the mode per live batch size: drop --mode")
     cfg = engine_config(args)
-    lm, engine, note = load_engine(args.model, runtime(args), args.drafter, cfg, mode_given=args.mode is not None,
-                                   store_spec=args.store, policy_spec=args.policy)
+    lm, engine, note, _ = load_engine(args.model, runtime(args), args.drafter, cfg,
+                                      mode_given=args.mode is not None, store_spec=args.store, policy_spec=args.policy)
     tok = lm.tokenizer
     if args.prompt is not None:
         prompts = [chat_ids(tok, [{"role": "user", "content": args.prompt}]) if args.chat

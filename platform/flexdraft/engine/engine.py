@@ -67,7 +67,6 @@ class Engine:
                 setattr(config, key, value)
         config.check(drafter, target.args.max_position_embeddings)
         self.target, self.drafter, self.config, self.policy = target, drafter, config, policy
-        self.provenance: dict[str, str] = {}  # what its drafter and policy are (runner.build_engine: registry URIs)
         if drafter is not None and drafter.paired is None:
             raise FlexDraftError("the drafter is not ready for inference: call drafter.to_runtime(target) first "
                                  "(runner.resolve_drafter does)")

@@ -33,8 +33,8 @@ class DrafterModel(mlflow.pyfunc.PythonModel):
 
         if self.engine is None:
             meta = read_drafter_meta(self.folder)
-            self.lm, self.engine, _ = load_engine(meta["base_model"], RuntimeConfig(), str(self.folder),
-                                                  EngineConfig(mode="adaptive"), store_spec="none")
+            self.lm, self.engine, _, _ = load_engine(meta["base_model"], RuntimeConfig(), str(self.folder),
+                                                     EngineConfig(mode="adaptive"), store_spec="none")
         tok = self.lm.tokenizer
         messages = model_input.iloc[:, 0].tolist() if hasattr(model_input, "iloc") else list(model_input)
         prompts = [chat_ids(tok, [{"role": "user", "content": str(m)}]) for m in messages]

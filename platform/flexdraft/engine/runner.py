@@ -59,8 +59,8 @@ def resolve_drafter(spec: str | None, target, required: bool) -> DrafterChoice:
         return DrafterChoice(None, "", None)
     drafter = load_drafter(folder, target).to_runtime(target)
     source = f"{spec} (version {version.version})" if version and not spec.endswith(f"/{version.version}") else spec
-    return DrafterChoice(drafter, source or str(folder), read_drafter_meta(folder).get("eval"),
-                         registry.weights_digest(folder), version)
+    digest = (version and version.tag("weights_digest")) or registry.weights_digest(folder)  # (resolve checked it)
+    return DrafterChoice(drafter, source or str(folder), read_drafter_meta(folder).get("eval"), digest, version)
 
 
 def provenance(choice: DrafterChoice) -> dict[str, str]:
@@ -141,26 +141,24 @@ def seed_costs(engine: Engine) -> None:
 
 
 def build_engine(lm: LoadedModel, choice: DrafterChoice, cfg: EngineConfig, store: NgramStore | None,
-                 policy: Policy | None = None, policy_source: str = "") -> Engine:
+                 policy: Policy | None = None) -> Engine:
     """An engine over a loaded model: the drafter where the mode uses one, seeded with the drafter's validation
-    agreement, the policy's bands if given (`resolve_policy`; policy_source: its file or models:/ URI), and
-    (adaptive) the cost profile `seed_costs` loads or measures. Its `provenance` names the drafter (and its
-    registered version) and the policy."""
+    agreement, the policy's bands if given (`resolve_policy`), and (adaptive) the cost profile `seed_costs` loads
+    or measures."""
     use_drafter = cfg.mode not in NO_DRAFTER or policy is not None
     engine = Engine(lm.model, choice.drafter if use_drafter else None, cfg, lm.eos_token_ids,
                     acceptance_prior=choice.prior, store=store, policy=policy)
-    if engine.drafter is not None:
-        engine.provenance = {**provenance(choice),
-                             **({"policy": policy_source} if policy is not None and policy_source else {})}
     seed_costs(engine)
     return engine
 
 
 def load_engine(model: str, runtime: RuntimeConfig, drafter_spec: str | None, cfg: EngineConfig,
                 mode_given: bool = True, store_spec: str | None = None,
-                policy_spec: str | None = None) -> tuple[LoadedModel, Engine, str]:
-    """-> (model, ready engine, a note saying which drafter, policy, n-gram store, mode and runtime). Without an
-    explicit mode: adaptive when a drafter is available, else AR. policy_spec: a policy file (`policy_file`)."""
+                policy_spec: str | None = None) -> tuple[LoadedModel, Engine, str, dict[str, str]]:
+    """-> (model, ready engine, a note saying which drafter, policy, n-gram store, mode and runtime, and where the
+    engine's drafter and policy came from: `provenance` + the policy's file or models:/ URI; {} for an engine
+    without a drafter). Without an explicit mode: adaptive when a drafter is available, else AR. policy_spec: a
+    policy file (`policy_file`) or the models:/ URI of a version with one attached."""
     lm = load_model(model, runtime)
     required = (cfg.mode not in NO_DRAFTER and mode_given) or bool(policy_spec)
     choice = resolve_drafter(drafter_spec, lm.model, required=required)
@@ -179,4 +177,6 @@ def load_engine(model: str, runtime: RuntimeConfig, drafter_spec: str | None, cf
     m = lm.model
     note = note[:-1] + (f"; {m.device.type} {str(m.dtype).removeprefix('torch.')} (dtype {runtime.dtype}), "
                         f"prepacked {m.lm_head.packed is not None}]")
-    return lm, build_engine(lm, choice, cfg, store, policy, policy_spec or ""), note
+    engine = build_engine(lm, choice, cfg, store, policy)
+    where = {**provenance(choice), **({"policy": policy_spec} if policy else {})} if engine.drafter is not None else {}
+    return lm, engine, note, where

@@ -29,6 +29,12 @@ class Section:
     images: list[str] = field(default_factory=list)
 
 
+def measured_with(c, v: Version) -> dict[str, list]:
+    """{"bench" | "serve" | "loadtest": the runs of that experiment over this version's weights, oldest first}."""
+    digest = v.tag("weights_digest")
+    return {k: _runs(c, name, digest) if digest else [] for k, name in EXPERIMENTS.items()}
+
+
 def _runs(c, experiment: str, digest: str) -> list:
     exp = c.get_experiment_by_name(experiment)
     if exp is None:
@@ -75,9 +81,8 @@ def lineage_rows(ref: str) -> list[list[str]]:
     """The lineage of a registered version as (step, what) rows (`flexdraft drafters lineage`)."""
     c = client()
     v = lookup(ref, c)
-    digest = v.tag("weights_digest")
-    serving, loadtest = ((_runs(c, EXPERIMENTS[k], digest) if digest else []) for k in ("serve", "loadtest"))
-    return lineage(c, v, serving, loadtest).tables[0][1]
+    found = measured_with(c, v)
+    return lineage(c, v, found["serve"], found["loadtest"]).tables[0][1]
 
 
 def validation(v: Version) -> Section:
@@ -151,9 +156,8 @@ def serving(c, runs: list, out: Path) -> Section:
     return s
 
 
-def loadtests(runs: list, out: Path) -> Section:
+def loadtests(c, runs: list, out: Path) -> Section:
     s = Section("Load tests (flexdraft loadtest)")
-    c = client()
     series = {}
     for r in runs:
         hist = sorted((p.step, p.value) for p in c.get_metric_history(r.info.run_id, "speedup"))
@@ -234,10 +238,9 @@ def write_report(ref: str, out: str | Path | None = None) -> Path:
     v = lookup(ref, c)
     folder = Path(out).expanduser() if out else data_dir() / "reports" / f"{v.name}-v{v.version}"
     folder.mkdir(parents=True, exist_ok=True)
-    digest = v.tag("weights_digest")
-    found = {k: _runs(c, name, digest) for k, name in EXPERIMENTS.items()} if digest else {k: [] for k in EXPERIMENTS}
+    found = measured_with(c, v)
     sections = [lineage(c, v, found["serve"], found["loadtest"]), validation(v), benchmark(found["bench"], folder),
-                sweep(c, v), serving(c, found["serve"], folder), loadtests(found["loadtest"], folder)]
+                sweep(c, v), serving(c, found["serve"], folder), loadtests(c, found["loadtest"], folder)]
     title = f"Drafter {v.uri}" + (f" (@{', @'.join(v.aliases)})" if v.aliases else "")
     (folder / "report.md").write_text(_markdown(title, sections))
     page = folder / "report.html"

@@ -86,7 +86,7 @@ def drafter_spec(cfg: ServeConfig) -> str | None:
 
 
 def build(cfg: ServeConfig):
-    """-> (loaded model, engine, a note saying what it serves). Without a drafter (none trained yet) an
+    """-> (loaded model, engine, a note saying what it serves, where its drafter came from: `load_engine`). Without a drafter (none trained yet) an
     adaptive config serves in lookup mode: prompt-lookup and n-gram-store drafts verified by the target, AR steps
     where no row has a match; lossless and fast before anything is trained."""
     from flexdraft.engine.runner import load_engine
@@ -101,9 +101,8 @@ def build(cfg: ServeConfig):
             logs.get("serve").info(f"no trained drafter ({default_drafter_dir()} does not exist): serving in lookup "
                                    "mode (prompt lookup + n-gram store, AR steps elsewhere); train one with "
                                    "`flexdraft pipeline`")
-    lm, engine, note = load_engine(cfg.model, cfg.runtime, drafter, ec, store_spec=cfg.store or None,
-                                   policy_spec=cfg.policy or None)
-    return lm, engine, note
+    return load_engine(cfg.model, cfg.runtime, drafter, ec, store_spec=cfg.store or None,
+                       policy_spec=cfg.policy or None)
 
 
 def apply_live(engine: Engine, cfg: ServeConfig) -> dict:

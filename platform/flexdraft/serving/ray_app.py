@@ -239,7 +239,7 @@ class FlexDraftServer:
         if self.engine is not None:
             log.info("model, drafter, runtime or engine shape changed: building a new engine in this replica")
         try:  # (e.g. a models:/ drafter that is missing, unreachable or for another target: Serve's status says why)
-            lm, engine, note = build(cfg)
+            lm, engine, note, where = build(cfg)
         except FlexDraftError as e:
             raise ValueError(f"bad user_config: {e}") from None
         old, old_reporter, self.lm, self.cfg = self.engine, self.reporter, lm, cfg
@@ -248,7 +248,7 @@ class FlexDraftServer:
         self.engine = self.metrics.source = AsyncEngine(engine, on_step=self.metrics.on_step)
         log.info(f"serving {self.name} {note}")
         ctx = serve.get_replica_context()
-        self.card = {"app": ctx.app_name, "deployment": ctx.deployment, **engine.provenance}  # (/v1/models)
+        self.card = {"app": ctx.app_name, "deployment": ctx.deployment, **where}  # (/v1/models)
         self.reporter = None
         if cfg.mlflow_every_s:
             try:
@@ -257,8 +257,8 @@ class FlexDraftServer:
                     {"app": ctx.app_name, "deployment": ctx.deployment, "replica": ctx.replica_tag,
                      "ray_node": ray.get_runtime_context().get_node_id(),
                      "version": str(ctx.code_version), "drafter": cfg.drafter or "default",
-                     **{f"flexdraft.{k}": v for k, v in engine.provenance.items()}},
-                    every_s=cfg.mlflow_every_s, model_id=engine.provenance.get("drafter_model_id"))
+                     **{f"flexdraft.{k}": v for k, v in where.items()}},
+                    every_s=cfg.mlflow_every_s, model_id=where.get("drafter_model_id"))
             except Exception:  # noqa: BLE001 - an unreachable tracking store must not stop serving
                 log.exception("no MLflow serving run: the tracking store failed")
             else:
