@@ -24,13 +24,19 @@ RAY_FILES = ("test_jobs.py", "test_sweep.py", "test_serve.py", "test_cluster.py"
 
 def pytest_xdist_make_scheduler(config, log):
     """`make test` runs two pytest-xdist workers: one takes the Ray files, the other every other module, a module
-    at a time (so module fixtures, e.g. a trained tiny drafter, are built once)."""
+    at a time (so module fixtures, e.g. a trained tiny drafter, are built once). The Ray files go out first: they
+    are the longest unit (most of the suite's wall time), so the other worker runs every other module beside them."""
     from xdist.scheduler import LoadScopeScheduling
 
     class RayApart(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::")[0]
             return "ray" if Path(path).name in RAY_FILES else path
+
+        def _assign_work_unit(self, node) -> None:
+            if "ray" in self.workqueue:
+                self.workqueue.move_to_end("ray", last=False)
+            super()._assign_work_unit(node)
 
     return RayApart(config, log)
 
