@@ -36,11 +36,10 @@ ids = lambda t: chat_ids(lm.tokenizer, [{"role": "user", "content": t}])
 engine.generate([ids(texts[0])], params)
 
 def offline(t):
-    t0 = time.perf_counter(); rid = engine.add_request(ids(t), params); first = None; n = 0
+    t0 = time.perf_counter(); rid = engine.add_request(ids(t), params); first = None
     while engine.has_work():
-        out = engine.step(); k = len(out.get(rid, []))
-        if k and first is None: first = time.perf_counter()
-        n += k
+        out = engine.step()
+        if out.get(rid) and first is None: first = time.perf_counter()
     n = len(engine.result(rid).token_ids)
     return t0, first, time.perf_counter(), n
 

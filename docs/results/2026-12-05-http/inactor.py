@@ -33,6 +33,6 @@ for k in range(4):
     chunk = texts[1 + 3 * k: 4 + 3 * k]
     for side in (["driver", "actor"] if k % 2 == 0 else ["actor", "driver"]):
         r = bench(chunk) if side == "driver" else ray.get(a.run.remote(chunk))
-        res[side].append(r[0]); info = r[1:]
+        res[side].append(r[0])
         print(side, f"{r[0]:.2f} ms/step", r[1:])
 for s, v in res.items(): print(s, f"median of medians {statistics.median(v):.2f} ms")
