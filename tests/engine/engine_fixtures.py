@@ -69,8 +69,8 @@ class ReferenceProposer(DrafterProposer):
         super().__init__(p.target, p.drafter, p.cache, p.state, p.trees, p.timed)
         self.B, self.reference = engine.B, reference
 
-    def write(self, rows, logits, slots, confidences, from_branch=False):
-        super().write(rows, logits, slots, confidences, from_branch)
+    def write(self, rows, logits, slots, batch, confidences, from_branch=False):
+        super().write(rows, logits, slots, batch, confidences, from_branch)
         for row in rows.tolist():
             req = slots[row]
             ref = torch.tensor((self.reference[tuple(req.prompt)][len(req.tokens):] + [0] * self.B)[: self.B])

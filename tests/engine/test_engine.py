@@ -20,8 +20,9 @@ from flexdraft.engine.ar import generate, prefill
 from flexdraft.speculative.lookup import NgramIndex, NgramStore
 from flexdraft.models.loading import load_model
 from flexdraft.drafter.recipe import default_drafter_dir
-from flexdraft.speculative.branches import CostModel, Plan, monotone
-from flexdraft.speculative.trees import chain_trie, trie_nodes
+from flexdraft.speculative.branches import CostModel, monotone
+from flexdraft.speculative.drafts import Chains, DraftKind, Mode, Plan
+from flexdraft.speculative.trees import chain_trie
 
 EOS = 2
 MODES = [("sequential", {}), ("parallel", {}), ("parallel", {"top_m": 2}), ("tree", {}), ("parallel", {"rho": 0.6}),
@@ -45,7 +46,7 @@ def test_speculative_greedy_equals_ar_greedy(tiny, drafters, batch, mode, extra)
         out = engine.generate(prompts, params)
         assert [g.token_ids for g in out] == ref, name
         assert engine.totals.num_target_forwards < sum(map(len, ref))  # some step yielded several tokens
-        taus[name] = sum(g.extra["tau"] for g in out) / batch
+        taus[name] = sum(g.stats.tau for g in out) / batch
     if batch == 16 and mode == "sequential":
         assert taus["trained"] > taus["random"]  # the training fixture really trains
 
@@ -65,7 +66,7 @@ def test_lossless_with_adversarial_and_perfect_drafts(tiny, drafters, mode, extr
     out = engine.generate(prompts, params)
     assert [g.token_ids for g in out] == ref
     for g in out:  # every step accepts all 4 drafts (the last may reach past the reference), or none
-        accepted = g.extra["accepted_lengths"]
+        accepted = g.stats.accepted_lengths
         assert set(accepted) == {0} if wrong else (set(accepted[:-1]) <= {4} and len(accepted) > 1), accepted
     if not wrong and mode == "parallel":
         assert engine.pruned_misses == 0  # full confidence in every draft: branch Bv is kept
@@ -81,9 +82,11 @@ class RandomPlanEngine(Engine):
 
     def plan(self, n, caps=None):
         Bv = self.rng.randint(1, self.B)
-        plans = [Plan("ar"), Plan("sequential", Bv), Plan("tree", Bv), Plan("parallel", Bv, self.rng.randint(1, 3))]
-        if self.lookups.propose(self.slots, n, self.lookup):
-            plans.append(Plan("lookup", Bv))
+        plans = [Plan(Mode.AR), Plan(Mode.SEQUENTIAL, Bv), Plan(Mode.TREE, Bv, nodes=self.config.tree_nodes),
+                 Plan(Mode.PARALLEL, Bv, self.rng.randint(1, 3))]
+        lookup = self.model_free_plan(n, Bv)
+        if lookup is not None:
+            plans.append(lookup)
         return self.rng.choice(plans)
 
 
@@ -102,11 +105,10 @@ def test_any_sequence_of_plans_is_lossless(tiny, drafters, batch):
                                   seed=seed)
         ids = [engine.add_request(p, c) for p, c in zip(prompts, capped)]
         while engine.has_work():
-            engine.step()
-            modes.add(engine.last_stats.mode)
+            modes.add(engine.step().stats.mode)
         results = [engine.result(i) for i in ids]
         assert [g.token_ids for g in results] == ref, seed
-        assert all(max(g.extra["accepted_lengths"], default=0) <= c.max_draft_tokens
+        assert all(max(g.stats.accepted_lengths, default=0) <= c.max_draft_tokens
                    for g, c in zip(results, capped) if c.max_draft_tokens is not None)
     assert modes == {"prefill", "ar", "sequential", "tree", "parallel", "lookup"}
 
@@ -141,7 +143,7 @@ def test_tree_accepts_a_path_through_a_second_choice(tiny, drafters):
         engine.proposer = SecondChoiceProposer(engine, reference, second=2)
         out = engine.generate(prompts, params)
         assert [g.token_ids for g in out] == ref, mode
-        accepted[mode] = [g.extra["accepted_lengths"][:-1] for g in out]  # the last step may pass max_new_tokens
+        accepted[mode] = [g.stats.accepted_lengths[:-1] for g in out]  # the last step may pass max_new_tokens
     assert all(set(a) == {4} for a in accepted["tree"])
     assert all(set(a) <= {0, 1} for a in accepted["sequential"])
 
@@ -150,8 +152,7 @@ def test_tree_accepts_a_path_through_a_second_choice(tiny, drafters):
     engine.add_request(prompts[0], SamplingParams(max_new_tokens=6, temperature=1.0, seed=0))
     modes = []
     while engine.has_work():
-        engine.step()
-        modes.append(engine.last_stats.mode)
+        modes.append(engine.step().stats.mode)
     assert [engine.result(i).token_ids for i in ids] == ref
     assert set(modes) == {"prefill", "tree"}  # (the admissions, then tree steps only)
 
@@ -304,9 +305,10 @@ def test_requests_joining_and_aborted_mid_flight_leave_other_rows_unchanged(tiny
             engine.abort(next(k for k, v in ids.items() if v == 5))  # still waiting (4 rows busy)
         if step == 4:
             ids[engine.add_request(prompts[6], params)] = 6
-        for rid, toks in engine.step().items():
+        out = engine.step()
+        for rid, toks in out.tokens.items():
             streamed[ids[rid]].extend(toks)
-        modes.add(engine.last_stats.mode)
+        modes.add(out.stats.mode)
         if not engine.has_work():
             break
     assert not engine.has_work() and {"parallel", "sequential"} <= modes
@@ -502,19 +504,25 @@ def test_lookup_with_an_ngram_store_equals_ar_greedy(tiny, drafters, batch):
         for name, store in [("none", None), *stores.items()]:
             engine = Engine(tiny, drafters["trained"], EngineConfig(mode=mode, max_batch=4, max_len=96),
                             eos_token_ids=[eos], store=store)
-            tries = 0
+            verified = verified_drafts(engine)
             ids = [engine.add_request(p, params) for p in prompts]
             while engine.has_work():
-                engine.lookups.proposals = []
                 engine.step()
-                tries += engine.last_stats.mode == "lookup" and any(len(c) > 1 for c, _ in engine.lookups.proposals)
+            tries = sum(plan.mode == Mode.LOOKUP and not drafts.chain for plan, drafts in verified)
             results = [engine.result(i) for i in ids]
             assert [r.token_ids for r in results] == ref, (mode, name)
-            forwards[name] = sum(r.extra["forwards"] for r in results)  # per row: the rows end at their own times
+            forwards[name] = sum(r.stats.forwards for r in results)  # per row: the rows end at their own times
             if name == "noise" and mode == "lookup":
                 assert tries
         if mode == "lookup":
             assert forwards["own"] < forwards["none"]
+
+
+def verified_drafts(engine: Engine) -> list:
+    """The (plan, drafts) of every step `engine` verifies from now on, in order."""
+    seen, verify = [], engine.verify
+    engine.verify = lambda plan, drafts, caps, batch: seen.append((plan, drafts)) or verify(plan, drafts, caps, batch)
+    return seen
 
 
 def test_adaptive_verifies_store_chains_only_where_they_pay(tiny, drafters):
@@ -537,12 +545,10 @@ def test_adaptive_verifies_store_chains_only_where_they_pay(tiny, drafters):
             e.costs.record("parallel", rows, tokens, 0.05)
             e.costs.record("draft", rows, tokens, 0.05)
         ids = [e.add_request(p, params) for p in prompts]
-        nodes = []
+        verified = verified_drafts(e)
         while e.has_work():
             e.step()
-            if e.last_stats.mode == "lookup":
-                Bv = e.last_stats.block
-                nodes.append((Bv, max(len(trie_nodes([c[:Bv] for c in cs])) for cs, _ in e.lookups.proposals)))
+        nodes = [(plan.block, drafts.nodes) for plan, drafts in verified if plan.mode == Mode.LOOKUP]
         assert [e.result(i).token_ids for i in ids] == ref
         return nodes
 
@@ -569,8 +575,7 @@ def test_adaptive_takes_lookup_steps_where_they_pay_and_stays_exact(tiny, drafte
         ids = [e.add_request(p, params) for p in prompts]
         modes = []
         while e.has_work():
-            e.step()
-            modes.append(e.last_stats.mode)
+            modes.append(e.step().stats.mode)
         assert [e.result(i).token_ids for i in ids] == ref
         return modes, e.totals.num_target_forwards
 
@@ -591,11 +596,16 @@ def test_a_draining_batch_takes_lookup_steps_only_where_every_lagging_row_has_a_
     e.step()  # admits two rows; the third request waits
     for req in e.slots:
         del req.tokens[1:]  # both rows equally far from their max_new_tokens
-    proposals = [([[5, 6, 7, 8]], "lookup3"), ([], None)]  # row 0 has a match, row 1 none
+    proposals = [([[5, 6, 7, 8]], DraftKind("lookup", 3)), ((), None)]  # row 0 has a match, row 1 none
 
-    def plan():
-        e.lookups.propose = lambda slots, n, max_n, first=None: setattr(e.lookups, "proposals", list(proposals)) or 1
-        return e.lookups.plan(e.slots, 2, e.band(2), 2 / 0.01, bool(e.waiting))  # (AR's rate)
+    class Fixed:  # a model-free proposer with these chains, honouring `first` as the protocol asks
+        def options(self, requests, band, first):
+            if any(proposals[r][1] is None for r in first or ()):
+                return []
+            return [Chains(tuple(cs for cs, _ in proposals), tuple(k for _, k in proposals))]
+
+    e.model_free = [Fixed()]
+    plan = lambda: e.weigh_model_free(2, e.band(2), 2 / 0.01)  # noqa: E731  (AR's rate)
 
     assert e.waiting and plan() is not None
     e.abort(ids[2])
@@ -666,8 +676,7 @@ def test_engine_totals_are_the_sum_of_its_steps(tiny, drafters):
     ids = [engine.add_request(p, SamplingParams(max_new_tokens=12)) for p in ragged_prompts(4, seed=2)]
     mine = SpecDecodingStats()
     while engine.has_work():
-        engine.step()
-        mine.observe(engine.last_stats)
+        mine.observe(engine.step().stats)
     assert engine.totals == mine
     assert mine.num_tokens == sum(len(engine.result(i).token_ids) for i in ids)
     assert mine.num_drafts > 0 and mine.num_accepted_tokens_per_pos[0] <= mine.num_drafts

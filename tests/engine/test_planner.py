@@ -106,9 +106,9 @@ def test_learned_costs_follow_an_injected_change_and_the_planner_returns_when_it
             pending.append(prompt)
             ids[engine.add_request(prompt, params)] = prompt
         verify["extra"] = 0.05 if 60 <= len(modes) < 200 else 0.001
-        engine.step()
-        if not engine.last_stats.admitted:
-            modes.append(engine.last_stats.mode)
+        s = engine.step().stats
+        if not s.admitted:
+            modes.append(s.mode)
         for rid in [r for r in ids if r in engine.finished]:
             assert engine.result(rid).token_ids == ref[tuple(ids.pop(rid))]
     assert modes[:60].count("sequential") > 50
@@ -131,9 +131,9 @@ def test_speculation_off_for_one_request_while_its_neighbours_speculate(tiny, dr
         engine.step()
     results = [engine.result(i) for i in ids]
     assert [g.token_ids for g in results] == ref
-    assert results[0].extra["mode_share"] == {"ar": 1.0} and results[0].extra["accepted_lengths"] == []
-    assert results[1].extra["mode_share"] == {"sequential": 1.0} and sum(results[1].extra["accepted_lengths"]) > 0
-    assert max(results[2].extra["accepted_lengths"]) == 1
+    assert results[0].stats.mode_share == {"ar": 1.0} and results[0].stats.accepted_lengths == []
+    assert results[1].stats.mode_share == {"sequential": 1.0} and sum(results[1].stats.accepted_lengths) > 0
+    assert max(results[2].stats.accepted_lengths) == 1
 
 
 def test_a_request_whose_drafts_fail_is_planned_ar_while_the_others_speculate(tiny, drafters):
@@ -149,9 +149,9 @@ def test_a_request_whose_drafts_fail_is_planned_ar_while_the_others_speculate(ti
             self.wrong = self.slots_now[row].prompt == prompts[3]
             super().replace(row, ref_tokens, V, K)
 
-        def write(self, rows, logits, slots, confidences, from_branch=False):
+        def write(self, rows, logits, slots, batch, confidences, from_branch=False):
             self.slots_now = slots
-            super().write(rows, logits, slots, confidences, from_branch)
+            super().write(rows, logits, slots, batch, confidences, from_branch)
 
     engine = Engine(tiny, drafters["trained"], EngineConfig(mode="sequential", max_batch=4, max_len=96))
     engine.proposer = OneWrong(engine, ref, wrong=False)
@@ -160,6 +160,6 @@ def test_a_request_whose_drafts_fail_is_planned_ar_while_the_others_speculate(ti
         engine.step()
     results = [engine.result(i) for i in ids]
     assert [g.token_ids for g in results] == [ref[tuple(p)] for p in prompts]
-    bad = results[3].extra
-    assert bad["mode_share"].get("ar", 0) > 0.7 and len(bad["accepted_lengths"]) <= 6 + bad["forwards"] // 8
-    assert all(g.extra["mode_share"] == {"sequential": 1.0} for g in results[:3])
+    bad = results[3].stats
+    assert bad.mode_share.get("ar", 0) > 0.7 and len(bad.accepted_lengths) <= 6 + bad.forwards // 8
+    assert all(g.stats.mode_share == {"sequential": 1.0} for g in results[:3])

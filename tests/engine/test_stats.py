@@ -1,5 +1,5 @@
 """Step statistics as vLLM counts them (`SpecDecodingStats`)."""
-from flexdraft.engine.config import Mode
+from flexdraft.speculative.drafts import Mode
 from flexdraft.engine.stats import IDLE, PREFILL, SpecDecodingStats, StepStats
 
 

@@ -41,8 +41,7 @@ def test_a_policy_decides_each_step_by_live_rows_and_output_stays_ar(tmp_path):
     ids = [engine.add_request(p, SamplingParams(max_new_tokens=n)) for p, n in zip(prompts, lengths)]
     seen = set()
     while engine.has_work():
-        engine.step()
-        s = engine.last_stats
+        s = engine.step().stats
         if s.rows and not s.admitted:
             seen.add((s.rows > 1, s.mode, s.block, s.branches <= 2))
     assert seen == {(True, "ar", 0, True), (False, "parallel", 2, True)}

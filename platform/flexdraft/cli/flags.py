@@ -29,7 +29,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     """The EngineConfig fields that are flags, with the config's defaults and help: one place for both."""
     import dataclasses
 
-    from flexdraft.engine.config import MODES, EngineConfig
+    from flexdraft.engine.config import EngineConfig
+    from flexdraft.speculative.drafts import MODES
 
     p.add_argument("--mode", choices=MODES,
                    help="decoding mode (default: adaptive when a drafter is available, else ar)")

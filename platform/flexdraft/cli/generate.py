@@ -55,13 +55,13 @@ def cmd_generate(args) -> None:
             row = {"index": i, "token_ids": g.token_ids, "text": text, "seconds": round(g.seconds, 6),
                    "finish_reason": g.finish_reason, "prompt_tokens": g.prompt_len, "mode": cfg.mode}
             if cfg.mode != "ar":
-                row.update(accepted_lengths=g.extra["accepted_lengths"], tau=round(g.extra["tau"], 4))
+                row.update(accepted_lengths=g.stats.accepted_lengths, tau=round(g.stats.tau, 4))
             print(json.dumps(row), flush=True)
         else:
             print(text, flush=True)
             if len(prompts) > 1:
                 print("-" * 40, flush=True)
-    taus = [g.extra["tau"] for g in gens]
+    taus = [g.stats.tau for g in gens]
     print(f"[{len(prompts)} prompts, {total_tokens} tokens in {total_time:.2f}s: "
           f"{total_tokens / max(total_time, 1e-9):.1f} tokens/s, mode {cfg.mode}, "
           f"tau {sum(taus) / len(taus):.2f}]", file=sys.stderr)

@@ -1,26 +1,12 @@
 """The engine's configuration (`EngineConfig`: the mode, the policy knobs, the batch and cache sizes; also the
-flags of `flexdraft generate`) and the decoding modes."""
+flags of `flexdraft generate`)."""
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 
 from flexdraft.drafter.model import Drafter
 from flexdraft.core.errors import FlexDraftError
-
-
-class Mode(str, enum.Enum):
-    """Decoding modes; a str, so configs and comparisons take the plain names."""
-    AR = "ar"
-    SEQUENTIAL = "sequential"
-    TREE = "tree"
-    PARALLEL = "parallel"
-    LOOKUP = "lookup"
-    ADAPTIVE = "adaptive"
-
-
-MODES = tuple(m.value for m in Mode)
-NO_DRAFTER = (Mode.AR.value, Mode.LOOKUP.value)  # the modes that run without a drafter
+from flexdraft.speculative.drafts import MODES, NO_DRAFTER, Mode
 
 
 def _knob(default, help_: str, flag: str = ""):
@@ -62,11 +48,11 @@ class EngineConfig:
         if self.tree_nodes < 0 or self.tree_width < 1:
             raise FlexDraftError(f"tree_nodes must be >= 0 and tree_width >= 1, got {self.tree_nodes} and "
                                  f"{self.tree_width}")
-        if self.mode == "tree" and not self.tree_nodes:
+        if self.mode == Mode.TREE and not self.tree_nodes:
             raise FlexDraftError("mode tree needs tree_nodes >= 1")
         if self.block_size < 0:
             raise FlexDraftError(f"block_size must be >= 0, got {self.block_size}")
-        if self.lookup < 0 or (self.mode == "lookup" and not self.lookup):
+        if self.lookup < 0 or (self.mode == Mode.LOOKUP and not self.lookup):
             raise FlexDraftError(f"lookup (the longest n-gram matched) must be >= 0, and >= 1 for mode lookup, "
                                  f"got {self.lookup}")
         if self.switch_batch < 0:

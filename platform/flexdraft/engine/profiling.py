@@ -26,7 +26,7 @@ def profile(engine, context: int = 256, rounds: int = 5, timer=None) -> dict:
     points = measure(shapes, timer or (lambda *shape: time_forward(engine, *shape)), rounds)
     engine.costs.set_profile(points)
     engine.cache.lens.zero_()
-    engine.last_stats = StepStats(IDLE, 0)
+    engine.stats = StepStats(IDLE, 0)
     return points
 
 
@@ -42,6 +42,6 @@ def time_forward(engine, kind: str, n: int, T: int, m: int) -> float:
     runs = {"target": lambda: engine.target_logits(tokens, pos, view),
             "draft": lambda: engine.proposer.forward(rows, T - 1),
             "parallel": lambda: engine.parallel_logits(tokens, pos, view, anchors)}
-    engine.last_stats = StepStats(PROFILE, n)
+    engine.stats = StepStats(PROFILE, n)
     engine.timed(kind, runs[kind])
-    return engine.last_stats.forward_seconds[kind]
+    return engine.stats.forward_seconds[kind]

@@ -1,40 +1,60 @@
-"""Where drafts come from. A proposer fills the engine's per-row draft state (`RowState`: drafts d_1..,
-their confidences, tree candidates, sampled rows' q) for the rows a plan needs; the engine's verifier then
-checks them against the target. As vLLM's proposers: `LookupProposer` (prompt lookup and the n-gram store, no
-model) and `DrafterProposer` (the drafter over the target's cache: sequential chains, the candidates a token
-tree is built from, and the branch of a parallel step that matched). `rows` are cache rows; `slots[r]` is row
-r's `Request`.
+"""Where drafts come from. Every proposer's drafts reach the verifier as one `Drafts` value. As vLLM's proposers:
+`DrafterProposer` (the drafter over the target's cache: sequential chains, token trees of each slot's top
+candidates, and the branch of a parallel step that matched) and the model-free ones (`ModelFreeProposer`:
+`LookupProposer`'s prompt lookup and n-gram store, or any a caller adds), whose `Chains` the planner weighs
+against the drafter's plans each step and cuts to the drafts a step verifies. `rows` are cache rows; `slots[r]`
+is row r's `Request`.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 
 from flexdraft.drafter.model import Drafter
 from flexdraft.engine.state import Request, RowState
 from flexdraft.models.transformer import Transformer
-from flexdraft.speculative.branches import Plan
+from flexdraft.speculative.drafts import PARALLEL, SEQUENTIAL, TREE, Chains, DraftKind, Drafts, Mode, Plan
 from flexdraft.speculative.lookup import NgramStore
-from flexdraft.speculative.planner import Planner
 from flexdraft.speculative.policy_file import Band
-from flexdraft.speculative.sampling import argmax_tokens, draw, filtered_logits, top_logprobs
+from flexdraft.speculative.sampling import SamplingBatch, argmax_tokens, top_logprobs
+from flexdraft.speculative.trees import draft_tree, tree_tokens
 
-Chains = tuple[list[list[int]], str | None]  # one row's lookup chains and the acceptance kind (None: no match)
+
+class ModelFreeProposer(Protocol):
+    """A draft source without a model forward (its drafts cost only their verification). Adding one to an engine
+    (`Engine(..., proposers=[...])`) is all it takes for adaptive and lookup steps to weigh its drafts."""
+
+    def options(self, requests: list[Request], band: Band, first: list[int] | None) -> list[Chains]:
+        """Candidate drafts for the rows of `requests` (the planner verifies at most one of them); [] when no row
+        has any, or as soon as a row in `first` has none. A request with `max_draft_tokens` 0 gets none."""
 
 
 class DrafterProposer:
-    """Drafts of the drafter. `timed(kind, fn, rows, tokens)` runs a forward and charges the step's cost model."""
+    """Drafts of the drafter. Rows keep drafts across steps in `RowState` (a parallel step's matched branch drafts
+    the next step's); `propose` drafts the rows that have none and returns the step's `Drafts`.
+    `timed(kind, fn, rows, tokens)` runs a forward and charges the step's cost model."""
 
     def __init__(self, target: Transformer, drafter: Drafter, cache, state: RowState, trees: bool, timed: Callable):
         self.target, self.drafter, self.cache, self.state, self.trees, self.timed = (
             target, drafter, cache, state, trees, timed)
 
-    def propose(self, rows: torch.Tensor, Bv: int, slots: list[Request], confidences: bool) -> None:
-        """A sequential drafter pass for `rows`: slot 0 = their known bonus, slots 1..Bv draft. confidences:
-        whether a parallel step may come next (its pruning weighs them; else the softmax is skipped)."""
-        logits = self.timed("draft", lambda: self.forward(rows, Bv), rows.numel(), Bv + 1)
-        self.write(rows, logits, slots, confidences)
+    def propose(self, plan: Plan, caps: torch.Tensor, slots: list[Request], batch: SamplingBatch,
+                confidences: bool) -> Drafts:
+        """The drafts of rows 0..n-1 (n = len(caps)) for `plan` (sequential, tree or parallel): a drafter pass
+        for rows without plan.block drafts that may speculate (caps > 0), slot 0 = their known bonus.
+        confidences: whether a parallel step may come next (its pruning weighs them; else no softmax)."""
+        n, Bv, state = caps.shape[0], plan.block, self.state
+        need = ((state.ndrafts[:n] < Bv) & (caps > 0)).nonzero().squeeze(-1)
+        if need.numel():
+            logits = self.timed("draft", lambda: self.forward(need, Bv), need.numel(), Bv + 1)
+            self.write(need, logits, slots, batch.subset(need.tolist()), confidences)
+        if plan.mode == Mode.TREE:
+            depth, parent, rank = draft_tree(state.cand_logp[:n, :Bv], plan.nodes)  # [n, N]
+            return Drafts.tree(tree_tokens(state.cand[:n, :Bv], depth, rank), parent, depth, (TREE,) * n)
+        kinds = [PARALLEL if b else SEQUENTIAL for b in state.from_branch[:n].tolist()]
+        q = state.q[:n, :Bv] if state.q is not None and not batch.all_greedy else None
+        return Drafts.chains(state.drafts[:n, :Bv], kinds, state.conf[:n, :Bv], q)
 
     def forward(self, rows: torch.Tensor, Bv: int) -> torch.Tensor:
         """-> draft logits [r, Bv, V] of a block at each row's length (slot 0 = the bonus, at its position: its
@@ -54,9 +74,10 @@ class DrafterProposer:
                              clean=clean)
         return self.target.logits(h[:, self.drafter.draft_slots(Bv, bonus_known=True)])
 
-    def write(self, rows: torch.Tensor, logits: torch.Tensor, slots: list[Request], confidences: bool,
-              from_branch: bool = False) -> None:
-        """Draft logits [r, Bv, V] of rows -> drafts (argmax, or drawn from q for sampled rows) + confidences."""
+    def write(self, rows: torch.Tensor, logits: torch.Tensor, slots: list[Request], batch: SamplingBatch,
+              confidences: bool, from_branch: bool = False) -> None:
+        """Draft logits [r, Bv, V] of rows -> their drafts (argmax; sampled rows, those of `batch`, which is over
+        `rows`: drawn from q, each with its request's generator) and confidences, kept in the row state."""
         Bv, state = logits.shape[1], self.state
         if self.trees:  # a tree step may come next: keep each slot's top candidates (the first is the draft)
             logp, cand = top_logprobs(logits, state.cand.shape[-1])  # [r, Bv, K]
@@ -68,20 +89,19 @@ class DrafterProposer:
         else:  # no parallel step can come next at this batch size: skip the softmax over the vocabulary
             drafts = argmax_tokens(logits)
             conf = torch.ones(drafts.shape, device=drafts.device)
-        for i, row in enumerate(rows.tolist()):
-            req = slots[row]
-            if not req.params.greedy:
-                q = filtered_logits(logits[i], req.params).softmax(-1)  # [Bv, V]
-                drafts[i] = draw(q, req.generator)
-                conf[i] = q.gather(-1, drafts[i][:, None]).squeeze(-1)
-                state.q[row, :Bv] = q
+        if not batch.all_greedy:
+            s = batch.sampled
+            q = batch.probs(logits[s])  # [s, Bv, V]
+            drafts[s] = batch.draw(q)
+            conf[s] = q.gather(-1, drafts[s][..., None]).squeeze(-1)
+            state.q[rows[s], :Bv] = q
         state.drafts[rows, :Bv] = drafts
         state.conf[rows, :Bv] = conf
         state.ndrafts[rows] = Bv
         state.from_branch[rows] = from_branch
 
     def take_branches(self, hb: torch.Tensor, anchors: torch.Tensor, accepted: torch.Tensor, new_bonus: torch.Tensor,
-                      slots: list[Request], calibrate: bool, confidences: bool) -> int:
+                      slots: list[Request], batch: SamplingBatch, calibrate: bool, confidences: bool) -> int:
         """hb [n, m, Bv+1, d] of a parallel step: the branch whose anchor equals the accepted length becomes the
         row's drafts (calibrated with the bonus); rows whose branch was pruned draft sequentially next step
         -> how many rows missed."""
@@ -93,87 +113,61 @@ class DrafterProposer:
             h = hb[rows, branch, 1:]  # [r, Bv, d]
             if calibrate:
                 h = self.drafter.calibrate(self.target, h, new_bonus[rows, None].expand(-1, Bv))
-            self.write(rows, self.target.logits(h), slots, confidences, from_branch=True)
+            self.write(rows, self.target.logits(h), slots, batch.subset(rows.tolist()), confidences,
+                       from_branch=True)
         return anchors.shape[0] - rows.numel()
 
 
 class LookupProposer:
     """Prompt-lookup drafts (the tokens that followed the latest earlier occurrence of a row's last n tokens,
-    `NgramIndex`) and, with a store, the store's chain beside them. `propose` finds this step's chains
-    (`proposals`), `plan` prices a lookup step against a rate to beat, `write` sets single chains as drafts (more
-    chains per row are verified as a trie by the engine)."""
+    `NgramIndex`) and, with a store, the store's chain beside them. Options: the prompt's and the store's chains
+    together (a trie where they differ), and with a store the prompt's alone too: a trie of two chains verifies up
+    to twice the tokens, which at 4-16 rows costs more than the store's chains add."""
 
-    def __init__(self, block: int, store: NgramStore | None, planner: Planner):
-        self.B, self.store, self.planner = block, store, planner
-        self.proposals: list[Chains] = []  # this step's, per row
+    def __init__(self, block: int, store: NgramStore | None):
+        self.B, self.store = block, store
 
-    def propose(self, slots: list[Request], n: int, max_n: int, first: list[int] | None = None) -> bool:
-        """Rows 0..n-1's chains from n-grams of up to max_n tokens (the prompt's first); True when some row has
-        one. With `first`, rows that all need one: False as soon as one has none, the others not proposed
-        (16 rows: ~1 ms a step)."""
-        proposals: list = [None] * n
+    def options(self, requests: list[Request], band: Band, first: list[int] | None = None) -> list[Chains]:
+        """From n-grams of up to band.lookup tokens; the rows in `first` are looked up first (16 rows: ~1 ms a
+        step), and none of the others when one of them has no match."""
+        if not band.lookup:
+            return []
+        found: list = [None] * len(requests)
         for row in first or ():
-            proposals[row] = self._chains(slots[row], max_n)
-            if proposals[row][1] is None:
-                return False
-        self.proposals = [p or self._chains(req, max_n) for p, req in zip(proposals, slots[:n])]
-        return any(kind for _, kind in self.proposals)
+            found[row] = self._chains(requests[row], band.lookup)
+            if found[row][1] is None:
+                return []
+        rows = [f or self._chains(req, band.lookup) for f, req in zip(found, requests)]
+        both = Chains(tuple(cs for cs, _ in rows), tuple(kind for _, kind in rows))
+        if not both.matched:
+            return []
+        if self.store is None:
+            return [both]
+        prompt = [(cs[:1], kind) if kind is not None and kind.source == "lookup" else ((), None) for cs, kind in rows]
+        return [both, Chains(tuple(cs for cs, _ in prompt), tuple(kind for _, kind in prompt))]
 
-    def _chains(self, req: Request, max_n: int) -> Chains:
+    def _chains(self, req: Request, max_n: int) -> tuple[tuple, DraftKind | None]:
         cap = req.params.max_draft_tokens
         if cap == 0:  # the request asked for no speculation
-            return [], None
+            return (), None
         k = self.B if cap is None else min(cap, self.B)
         chain, size = req.index.propose(k, max_n)
-        chains, kind = ([chain], f"lookup{size}") if size else ([], None)
+        chains, kind = ([chain], DraftKind("lookup", size)) if size else ([], None)
         if self.store is not None:
             extra, size = self.store.propose(req.index.tokens, k)
             if extra and extra != chain[:len(extra)]:  # a prefix of the prompt's chain adds nothing
                 chains.append(extra)
-                kind = kind or f"store{size}"
-        return chains, kind
+                kind = kind or DraftKind("store", size)
+        return tuple(chains), kind
 
-    def critical_rows(self, slots: list[Request], n: int, waiting: bool) -> list[int] | None:
-        """The rows that set when this batch drains: None while requests wait (a row that finishes early is
-        refilled, so every row's tokens count); else the rows with the most tokens left to their max_new_tokens
-        (within B of the most). Drafts that speed up other rows end those rows early, not the batch: at 16 rows,
-        lookup steps where 9-14 rows had a match made 2.6 tokens per row, yet the batch took 62 steps against
-        AR's 63, each dearer (adaptive 0.92x of AR, the same prompts in lockstep)."""
-        if waiting:
-            return None
-        left = [req.params.max_new_tokens - len(req.tokens) for req in slots[:n]]
-        return [row for row, x in enumerate(left) if x >= max(left) - self.B]
 
-    def plan(self, slots: list[Request], n: int, band: Band, rate_to_beat: float, waiting: bool) -> Plan | None:
-        """A lookup step if one promises more than rate_to_beat tokens per second (`Planner.lookup`); it needs a
-        match in every critical row (`critical_rows`). With a store it also weighs the prompt's chains alone: a
-        trie of two chains verifies up to twice the tokens, which at 4-16 rows costs more than the store's chains
-        add (and `proposals` becomes what won)."""
-        critical = self.critical_rows(slots, n, waiting)
-        if not self.propose(slots, n, band.lookup, first=critical):  # (a critical row without a match: AR, dearer)
-            return None
-        options = [self.proposals]
-        if self.store is not None:
-            options.append([(cs[:1], kind) if kind and kind.startswith("lookup") else ([], None)
-                            for cs, kind in self.proposals])
-        best = self.planner.lookup(options, critical, rate_to_beat, band.block or self.B)
-        if best is None:
-            return None
-        plan, chosen = best
-        self.proposals = options[chosen]
-        return plan
-
-    def write(self, state: RowState, slots: list[Request], n: int, Bv: int) -> None:
-        """Rows 0..n-1 get their (single) chain, filled up to Bv with the row's bonus (a store chain can end
-        early; a row without a match gets filler only), verified like any draft; sampled rows' q is the point
-        mass on each draft (accepted with probability p(d_j))."""
-        bonus = state.bonus[:n].tolist()
-        chains = [((c[0] if c else []) + [b] * Bv)[:Bv] for (c, _), b in zip(self.proposals, bonus)]
-        drafts = torch.tensor(chains, dtype=torch.long, device=state.drafts.device)  # [n, Bv]
-        state.drafts[:n, :Bv] = drafts
-        state.conf[:n, :Bv] = 1.0
-        state.ndrafts[:n] = Bv
-        state.from_branch[:n] = False
-        for row in range(n):
-            if not slots[row].params.greedy:
-                state.q[row, :Bv] = torch.nn.functional.one_hot(drafts[row], state.q.shape[-1]).float()
+def critical_rows(requests: list[Request], block: int, waiting: bool) -> list[int] | None:
+    """The rows that set when this batch drains: None while requests wait (a row that finishes early is refilled,
+    so every row's tokens count); else the rows with the most tokens left to their max_new_tokens (within `block`
+    of the most). Drafts that speed up other rows end those rows early, not the batch: at 16 rows, lookup steps
+    where 9-14 rows had a match made 2.6 tokens per row, yet the batch took 62 steps against AR's 63, each dearer
+    (adaptive 0.92x of AR, the same prompts in lockstep)."""
+    if waiting:
+        return None
+    left = [req.params.max_new_tokens - len(req.tokens) for req in requests]
+    return [row for row, x in enumerate(left) if x >= max(left) - block]

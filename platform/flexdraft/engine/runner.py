@@ -15,8 +15,9 @@ from flexdraft.core.config import RuntimeConfig, data_dir
 from flexdraft.drafter import registry
 from flexdraft.drafter.model import Drafter, DrafterConfig, load_drafter, read_drafter_meta, weights_fingerprint
 from flexdraft.engine.engine import Engine
-from flexdraft.engine.config import NO_DRAFTER, EngineConfig
+from flexdraft.engine.config import EngineConfig
 from flexdraft.core.errors import FlexDraftError
+from flexdraft.speculative.drafts import NO_DRAFTER, Mode
 from flexdraft.speculative.lookup import NgramStore
 from flexdraft.models.loading import LoadedModel, load_model
 from flexdraft.drafter.recipe import PipelineConfig, default_drafter_dir
@@ -127,7 +128,7 @@ def profile_file(target, drafter: Drafter, cfg: EngineConfig, tree_sizes: list[i
 
 def seed_costs(engine: Engine) -> None:
     """Adaptive engines: load the cached cost profile, or measure it (a few seconds) and cache it."""
-    if engine.config.mode != "adaptive" or not engine.config.cost_model:
+    if engine.config.mode != Mode.ADAPTIVE or not engine.config.cost_model:
         return
     sizes = engine.tree_sizes()
     path = profile_file(engine.target, engine.drafter, engine.config,
@@ -164,15 +165,15 @@ def load_engine(model: str, runtime: RuntimeConfig, drafter_spec: str | None, cf
     choice = resolve_drafter(drafter_spec, lm.model, required=required)
     policy = resolve_policy(policy_spec, lm.model, choice) if policy_spec else None
     if policy is not None:
-        cfg.mode = "adaptive"
+        cfg.mode = Mode.ADAPTIVE.value
     elif not mode_given:
-        cfg.mode = "adaptive" if choice.drafter is not None else "ar"
+        cfg.mode = (Mode.ADAPTIVE if choice.drafter is not None else Mode.AR).value
     if choice.source:
         note = f"[drafter: {choice.source}; mode {cfg.mode}" + (f", policy {policy_spec}]" if policy else "]")
     else:
         note = f"[no drafter (the default {default_drafter_dir()} does not exist): mode {cfg.mode}]"
     store, source = resolve_store(store_spec, model, lm.model.args.vocab_size) if cfg.lookup else (None, "")
-    if source and cfg.mode in ("lookup", "adaptive"):
+    if source and cfg.mode in (Mode.LOOKUP, Mode.ADAPTIVE):
         note = note[:-1] + f"; n-gram store {source}]"
     m = lm.model
     note = note[:-1] + (f"; {m.device.type} {str(m.dtype).removeprefix('torch.')} (dtype {runtime.dtype}), "

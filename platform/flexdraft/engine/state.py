@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from flexdraft.speculative.lookup import NgramIndex
-from flexdraft.speculative.sampling import Generation, SamplingParams
+from flexdraft.speculative.sampling import Generation, GenerationStats, SamplingParams
 
 
 @dataclass
@@ -59,8 +59,7 @@ class Request:
         tau = (len(self.tokens) - 1) / self.forwards if self.forwards else 1.0
         share = {mode: count / self.forwards for mode, count in self.modes.items()}
         return Generation(self.tokens, self.finish_reason, 0.0, len(self.prompt),
-                          {"accepted_lengths": self.accepted, "tau": tau, "forwards": self.forwards,
-                           "mode_share": share})
+                          GenerationStats(self.accepted, tau, self.forwards, share))
 
 
 def draft_caps(requests: list[Request], B: int, online: bool = True) -> list[int]:

@@ -1,12 +1,13 @@
-"""What crosses the engine's boundary about its steps: one step's `StepStats`, and `SpecDecodingStats`, the
-running counts a server or benchmark keeps (in the shape of vLLM's `SpecDecodingStats`: drafts, draft tokens,
+"""What crosses the engine's boundary about its steps: what `Engine.step` returns (`StepOutput`: new tokens per
+request, the requests it finished, its `StepStats`), and `SpecDecodingStats`, the running counts a server or
+benchmark keeps (in the shape of vLLM's `SpecDecodingStats`: drafts, draft tokens,
 accepted tokens, accepted tokens per draft position; plus steps by mode)."""
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
 
-from flexdraft.engine.config import Mode
+from flexdraft.speculative.drafts import Mode
 
 # the step kinds that are not a decoding mode: nothing to do; prompts prefilled (their first tokens drawn); a profile
 IDLE, PREFILL, PROFILE = "idle", "prefill", "profile"
@@ -32,6 +33,25 @@ class StepStats:
     def speculative(self) -> bool:
         """Whether the step verified drafts (an AR, idle or profile step did not)."""
         return self.mode != Mode.AR and self.mode not in NOT_DECODING and bool(self.accepted)
+
+
+@dataclass
+class StepOutput:
+    """One step's result: tokens[id] = the request's new token ids (a request admitted this step: its first);
+    finished = the requests that ended this step (EOS or length; `Engine.result` hands each over once)."""
+    tokens: dict[int, list[int]]
+    finished: list[int]
+    stats: StepStats
+
+
+@dataclass
+class Recovery:
+    """What `Engine.recover` hands back after a step that raised: tokens[id] = every token each request in a row
+    (or finished and not yet collected) has made, the requests among them that are finished (`Engine.result`
+    hands each over once), and the requests the failed step was admitting."""
+    tokens: dict[int, list[int]]
+    finished: list[int]
+    admitted: list[int]
 
 
 COUNTS = ("num_steps", "num_rows", "num_tokens", "num_drafts", "num_draft_tokens", "num_accepted_tokens")

@@ -30,6 +30,7 @@ from flexdraft.core.data import BENCH_DATASETS, UNAVAILABLE_DATASETS, bench_prom
 from flexdraft.engine.engine import Engine
 from flexdraft.engine.config import EngineConfig
 from flexdraft.engine.stats import NOT_DECODING
+from flexdraft.speculative.drafts import Mode
 from flexdraft.core.errors import FlexDraftError
 from flexdraft.speculative.sampling import SamplingParams
 from flexdraft.engine.ar import generate
@@ -167,17 +168,17 @@ def lockstep(engines: dict[str, Engine], prompts: list[list[int]], params: Sampl
             if not engine.has_work():
                 continue
             t0 = time.perf_counter()
-            engine.step()
-            r, s = res[name], engine.last_stats
+            s = engine.step().stats
+            r = res[name]
             r["seconds"] += time.perf_counter() - t0
             if s.mode not in NOT_DECODING:  # the shares are of decoding steps
-                plan = s.mode + (f"/B{s.block}" if s.block else "") + (f"/m{s.branches:g}" if s.mode == "parallel" else "")
+                plan = s.mode + (f"/B{s.block}" if s.block else "") + (f"/m{s.branches:g}" if s.mode == Mode.PARALLEL else "")
                 r["plans"][plan] = r["plans"].get(plan, 0) + 1
                 r["modes"][s.mode] = r["modes"].get(s.mode, 0) + 1
             for k, v in s.forward_seconds.items():
                 r["forward"][k] = r["forward"].get(k, 0.0) + v
             r["accepted"] += s.accepted
-            if s.mode == "parallel":
+            if s.mode == Mode.PARALLEL:
                 r["pruned"] += s.pruned_misses
                 r["parallel_rows"] += s.rows
             for a in s.accepted:
@@ -188,7 +189,7 @@ def lockstep(engines: dict[str, Engine], prompts: list[list[int]], params: Sampl
                     r["taken"][j] += a >= j
     for name, engine in engines.items():
         gens = [engine.result(i) for i in ids[name]]
-        forwards = sum(g.extra["forwards"] for g in gens)  # target forwards after each row's prefill
+        forwards = sum(g.stats.forwards for g in gens)  # target forwards after each row's prefill
         res[name].update(outputs=[g.token_ids for g in gens],
                          tau=(sum(len(g.token_ids) for g in gens) - len(gens)) / max(forwards, 1),
                          misses=res[name]["pruned"] / max(res[name]["parallel_rows"], 1))
@@ -273,8 +274,7 @@ def step_profile(engine: Engine, prompt: list[int], steps: int = 5, rows: int = 
     seconds, forward, plans = 0.0, {}, set()
     with profile(activities=activities) as prof:
         for _ in range(steps):
-            engine.step()
-            s = engine.last_stats
+            s = engine.step().stats
             seconds += s.seconds
             plans.add(f"{s.mode}/B{s.block}/m{s.branches:g}")
             for k, v in s.forward_seconds.items():

@@ -16,7 +16,7 @@ import torch
 
 from flexdraft.core import logs
 from flexdraft.core.errors import FlexDraftError
-from flexdraft.engine.stats import SpecDecodingStats, StepStats
+from flexdraft.engine.stats import SpecDecodingStats, StepOutput, StepStats
 from flexdraft.engine.engine import Engine
 from flexdraft.speculative.sampling import Generation, SamplingParams
 
@@ -216,17 +216,16 @@ class AsyncEngine:
 
     def _step(self) -> None:
         try:
-            out = self.engine.step()
+            out: StepOutput = self.engine.step()
         except Exception as e:  # noqa: BLE001 - one bad step must not take the replica down
             self._recover(e)
             return
-        stats = self.engine.last_stats
-        self._probate(stats)
-        self._deliver(out)
-        self._count(stats, out)
+        self._probate(out.stats)
+        self._deliver(out.tokens, out.finished)
+        self._count(out.stats)
         if self.on_step is not None:
             try:
-                self.on_step(stats, self.engine)
+                self.on_step(out.stats, self.engine)
             except Exception:  # noqa: BLE001 - metrics must not stop decoding
                 logs.get("serve").exception("on_step callback failed")
 
@@ -237,12 +236,13 @@ class AsyncEngine:
         log = logs.get("serve")
         log.error(f"engine step failed ({type(error).__name__}: {error}); recovering its requests", exc_info=error)
         try:
-            moved = self.engine.recover()
+            recovery = self.engine.recover()
         except Exception:  # noqa: BLE001 - the engine cannot even put them back: end them all
             log.exception("engine recovery failed; ending every request")
             self._fail_all(EngineFailed(f"the engine failed while decoding: {type(error).__name__}: {error}"))
             self.engine.waiting.clear()
             return
+        moved = recovery.tokens
         for rid, tokens in moved.items():  # tokens the failed step made before it raised are still valid
             stream = self._streams.get(rid)
             if stream is not None and len(tokens) > stream.sent:
@@ -251,7 +251,7 @@ class AsyncEngine:
         # while isolating, the step's one newcomer (or the one on probation) is the only change to a batch that
         # decoded fine without it
         probing = self.engine.admit_limit is not None
-        admitted = self.engine.last_stats.admitted_ids
+        admitted = recovery.admitted
         alone = admitted[0] if probing and len(admitted) == 1 else \
             self._probation[0] if self._probation and self._probation[0] in moved else None
         waiting = {r.id for r in self.engine.waiting}
@@ -270,7 +270,7 @@ class AsyncEngine:
             [rid for rid in self._suspects if rid in waiting and rid not in moved]
         self._probation = []
         self.engine.admit_limit = 1 if self._suspects else None
-        self._deliver({})
+        self._deliver({}, recovery.finished)
 
     def _probate(self, stats: StepStats) -> None:
         """After a good step: move the isolation after a failure along (see `_recover`)."""
@@ -295,16 +295,22 @@ class AsyncEngine:
     def _end(self, request_id: int, error: Exception) -> None:
         """End one request with `error` (its stream gets it; the engine forgets it)."""
         try:
-            if request_id not in self.engine.finished:
-                self.engine.abort(request_id)
-            self.engine.result(request_id)
+            self._forget(request_id)
         except Exception:  # noqa: BLE001 - unknown to the engine, or the engine is broken: the stream still ends
             pass
         stream = self._streams.pop(request_id, None)
         if stream is not None:
             self._put(stream, error)
 
-    def _count(self, stats: StepStats, out: dict[int, list[int]]) -> None:
+    def _forget(self, request_id: int) -> None:
+        """Abort the request unless it has finished, and take its result: the engine keeps nothing of it."""
+        try:
+            self.engine.abort(request_id)
+        except FlexDraftError:  # it finished: its result waits
+            pass
+        self.engine.result(request_id)
+
+    def _count(self, stats: StepStats) -> None:
         self.most_rows = max(self.most_rows, stats.rows)
         with self._stats_lock:
             self._stats.observe(stats)
@@ -347,9 +353,7 @@ class AsyncEngine:
             rid = command[1].request_id
             if rid is not None and self._streams.get(rid) is command[1]:
                 del self._streams[rid]
-                if rid not in self.engine.finished:
-                    self.engine.abort(rid)
-                self.engine.result(rid)
+                self._forget(rid)
                 self.aborted += 1
         elif kind == "call":
             _, fn, ticket = command
@@ -368,14 +372,16 @@ class AsyncEngine:
         except Exception:  # noqa: BLE001 - the caller's event loop is closed: nobody is listening
             pass
 
-    def _deliver(self, out: dict[int, list[int]]) -> None:
-        for request_id, tokens in out.items():
+    def _deliver(self, tokens: dict[int, list[int]], finished: list[int]) -> None:
+        """New tokens to their streams; a finished request's stream gets its generation and closes."""
+        for request_id, new in tokens.items():
             stream = self._streams.get(request_id)
-            if stream is not None and tokens:
-                stream.sent += len(tokens)
-                self._put(stream, Chunk(tokens))
-        for request_id in [r for r in self.engine.finished if r in self._streams]:
-            self._put(self._streams.pop(request_id), Chunk([], self.engine.result(request_id)))
+            if stream is not None and new:
+                stream.sent += len(new)
+                self._put(stream, Chunk(new))
+        for request_id in finished:
+            if request_id in self._streams:
+                self._put(self._streams.pop(request_id), Chunk([], self.engine.result(request_id)))
 
     def _fail_all(self, error: Exception) -> None:
         for request_id in list(self._streams):

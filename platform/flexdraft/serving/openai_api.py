@@ -211,9 +211,9 @@ def speculation(generation: Generation | None) -> dict:
     and the share of its steps in each decoding mode."""
     if generation is None:
         return {}
-    extra = generation.extra
-    return {"mean_accepted_length": round(extra.get("tau", 1.0), 4), "target_forwards": extra.get("forwards", 0),
-            "mode_share": extra.get("mode_share", {})}
+    stats = generation.stats
+    return {"mean_accepted_length": round(stats.tau, 4), "target_forwards": stats.forwards,
+            "mode_share": stats.mode_share}
 
 
 def response(req: Request, text: str, token_ids: list[int], generation: Generation | None, stopped: bool) -> dict:

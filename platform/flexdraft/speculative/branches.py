@@ -1,14 +1,15 @@
 """The adaptive policy's models: how many drafts get accepted (`AcceptanceModel`), what a forward costs
-(`CostModel`), and what one step does (`Plan`). The engine asks them; they know nothing of the engine."""
+(`CostModel`), and which branches a parallel step keeps (`branch_anchors`). The engine asks them; they know
+nothing of the engine."""
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from flexdraft.speculative.drafts import DRAFTER_KINDS, PARALLEL, SEQUENTIAL, TREE, DraftKind
 from flexdraft.speculative.lookup import PRIOR_ACCEPTED, STORE_PRIOR_ACCEPTED
 
 
@@ -25,22 +26,23 @@ class AcceptanceModel:
     the drafter's validation tau (bonus / mask calibrated / tree of N nodes) when it has one, else r = 0.5.
     Without a validation tau for its size, a tree of N nodes starts from the sequential prior's expected
     accepted drafts times 1 + 0.13 log2(N / 4): what trees of 8 / 16 / 32 nodes added over the chain on the
-    default SmolLM2 drafter's validation split (+13% / +25% / +35%, 1,856 blocks). Prompt-lookup drafts count
-    apart by the size n of the n-gram that matched (kind `lookup<n>`, from `lookup.PRIOR_ACCEPTED`; a store chain
-    verified beside them counts there too), store drafts of rows without a prompt match by the size behind
-    their first draft (kind `store<n>`, from `lookup.STORE_PRIOR_ACCEPTED`)."""
+    default SmolLM2 drafter's validation split (+13% / +25% / +35%, 1,856 blocks). Model-free drafts count by
+    their `DraftKind`: prompt-lookup drafts by the size n of the n-gram that matched (`DraftKind("lookup", n)`,
+    prior from `lookup.PRIOR_ACCEPTED`; a store chain verified beside them counts there too), store drafts of rows
+    without a prompt match by the size behind their first draft (`DraftKind("store", n)`, from
+    `lookup.STORE_PRIOR_ACCEPTED`), any other source from r = 0.5."""
 
-    KINDS = ("sequential", "tree", "parallel")
+    KINDS = DRAFTER_KINDS
 
     def __init__(self, block: int, prior: dict | None = None, weight: float = 20.0, tree_nodes: int = 8):
         self.block, self.weight = block, weight
         self.tried = {k: torch.full((block,), weight, dtype=torch.float64) for k in self.KINDS}
         self.passed = {}
         prior = prior or {}
-        for kind, key in (("sequential", "bonus"), ("tree", "bonus"), ("parallel", "mask_calibrated")):
+        for kind, key in ((SEQUENTIAL, "bonus"), (TREE, "bonus"), (PARALLEL, "mask_calibrated")):
             tau = prior.get(f"eval/{key}/tau")
             rate = self._rate_for(tau - 1, block) if tau else 0.5
-            if kind == "tree":
+            if kind == TREE:
                 tree_tau = prior.get(f"eval/bonus/tau_tree{tree_nodes}")
                 gain = 1 + 0.13 * math.log2(max(tree_nodes, 4) / 4)
                 accepted = tree_tau - 1 if tree_tau else gain * sum(rate ** j for j in range(1, block + 1))
@@ -59,32 +61,31 @@ class AcceptanceModel:
                 hi = mid
         return lo
 
-    def _lookup_kind(self, kind: str) -> None:
-        if kind not in self.tried:  # lookup<n> / store<n>: a rate whose expected accepted of 8 drafts is the prior's
-            prior = STORE_PRIOR_ACCEPTED if kind.startswith("store") else PRIOR_ACCEPTED
-            size = int(kind.removeprefix("store").removeprefix("lookup"))
-            rate = self._rate_for(prior[min(max(size, min(prior)), max(prior))], 8)
+    def _model_free_kind(self, kind: DraftKind) -> None:
+        if kind not in self.tried:  # n-gram drafts: a rate whose expected accepted of 8 drafts is the prior's
+            prior = {"lookup": PRIOR_ACCEPTED, "store": STORE_PRIOR_ACCEPTED}.get(kind.source)
+            rate = self._rate_for(prior[min(max(kind.size, min(prior)), max(prior))], 8) if prior else 0.5
             self.tried[kind] = torch.full((self.block,), self.weight, dtype=torch.float64)
             self.passed[kind] = self.tried[kind] * rate
 
-    def record(self, kind: str, block: int, accepted: list[int]) -> None:
-        self._lookup_kind(kind)
+    def record(self, kind: DraftKind, block: int, accepted: list[int]) -> None:
+        self._model_free_kind(kind)
         for a in accepted:
             n = min(a + 1, block)  # drafts 1..a passed, draft a+1 (if any) failed
             self.tried[kind][:n] += 1
             self.passed[kind][:a] += 1
 
-    def expected_accepted(self, kind: str, block: int) -> float:
+    def expected_accepted(self, kind: DraftKind, block: int) -> float:
         return float(self._at_least(kind, block)[1:].sum())
 
-    def length_distribution(self, kind: str, block: int) -> torch.Tensor:
+    def length_distribution(self, kind: DraftKind, block: int) -> torch.Tensor:
         """[block + 1]: P(accepted = a) for a = 0..block."""
         ge = self._at_least(kind, block)
         return ge - torch.cat((ge[1:], ge.new_zeros(1)))
 
-    def _at_least(self, kind: str, block: int) -> torch.Tensor:
+    def _at_least(self, kind: DraftKind, block: int) -> torch.Tensor:
         """[block + 1]: P(accepted >= a) for a = 0..block."""
-        self._lookup_kind(kind)
+        self._model_free_kind(kind)
         rate = self.passed[kind][:block] / self.tried[kind][:block]
         return torch.cat((rate.new_ones(1), rate.cumprod(0)))
 
@@ -212,15 +213,6 @@ class CostModel:
         i = next((i for i in range(1, len(line) - 1) if tokens <= line[i][0]), len(line) - 1)
         (t0, s0), (t1, s1) = line[i - 1], line[i]
         return max(s0 + (s1 - s0) * (tokens - t0) / (t1 - t0), 0.0)
-
-
-@dataclass(frozen=True)
-class Plan:
-    """What one step does: mode, drafts verified per row (tree: the tree's depth at most), and (parallel) the
-    most branches kept per row."""
-    mode: str
-    block: int = 0
-    branches: int = 0  # 0 = as the config's top_m / rho decide
 
 
 def branch_anchors(conf: torch.Tensor, rho: float = 1.0, top_m: int = 0, cap: int = 0) -> torch.Tensor:

@@ -4,8 +4,8 @@ It sees only numbers (rows, rows without drafts, per-row lookup kinds), never re
 engine proposes the lookup drafts and carries the plan out."""
 from __future__ import annotations
 
-from flexdraft.speculative.branches import AcceptanceModel, CostModel, Plan, monotone
-from flexdraft.speculative.trees import trie_nodes
+from flexdraft.speculative.branches import AcceptanceModel, CostModel, monotone
+from flexdraft.speculative.drafts import PARALLEL, SEQUENTIAL, TREE, Chains, Mode, Plan
 
 # A lookup step replaces a planned AR step only if it promises 50% more tokens/s: with long contexts a
 # multi-token verify costs more, next to a one-token step, than the profile (taken at 256 cached tokens) says
@@ -49,7 +49,7 @@ class Planner:
         `step`, within the rows' band -> (plan, its expected tokens/s; None when the rule chose it). share: the
         rows' speculating weight against the acceptance model, averaged (`RowAcceptance.weight`; 1 = as the
         model expects, 0 = no row speculates)."""
-        rule = "parallel" if n <= self.switch_batch else "sequential"
+        rule = Mode.PARALLEL if n <= self.switch_batch else Mode.SEQUENTIAL
         if not self.ready():
             return Plan(rule, band.block or self.B), None
         key = (n, fresh, round(share * 8))  # (the band is a function of n)
@@ -70,41 +70,40 @@ class Planner:
     def forward_seconds(self, plan: Plan, n: int, fresh: int, band) -> float:
         """What the plan's forwards cost by the cost model (drafter passes for rows without drafts included)."""
         costs, Bv = self.costs, plan.block
-        if plan.mode == "ar":
+        if plan.mode == Mode.AR:
             return costs.seconds("target", n, 1)
-        if plan.mode == "tree":
-            return costs.seconds("target", n, band.tree_nodes + 1) + costs.seconds("draft", n, Bv + 1)
-        if plan.mode == "parallel":
+        if plan.mode == Mode.TREE:
+            return costs.seconds("target", n, plan.nodes + 1) + costs.seconds("draft", n, Bv + 1)
+        if plan.mode == Mode.PARALLEL:
             first = costs.seconds("draft", fresh, Bv + 1) if fresh else 0.0
             return first + costs.seconds("parallel", n, (Bv + 1) * (1 + plan.branches))
         return costs.seconds("target", n, Bv + 1) + costs.seconds("draft", n, Bv + 1)
 
-    def best(self, n: int, fresh: int, rule: str, band, share: float = 1.0) -> tuple[Plan, float]:
+    def best(self, n: int, fresh: int, rule: Mode, band, share: float = 1.0) -> tuple[Plan, float]:
         """-> the best plan for n rows, `fresh` of them without drafts, and its expected tokens per second; each
         row's accepted drafts are the acceptance model's times `share` (see `adaptive`)."""
         B, costs = band.block or self.B, self.costs
         acc = self.acceptance
         E = lambda kind, b: share * acc.expected_accepted(kind, b)  # noqa: E731
-        best = Plan("ar")
+        best = Plan(Mode.AR)
         best_rate = n / (self.forward_seconds(best, n, fresh, band) + costs.overhead("ar"))
         for Bv in self.block_sizes(B):
-            plan = Plan("sequential", Bv)
-            rate = n * (1 + E("sequential", Bv)) / (self.forward_seconds(plan, n, fresh, band)
+            plan = Plan(Mode.SEQUENTIAL, Bv)
+            rate = n * (1 + E(SEQUENTIAL, Bv)) / (self.forward_seconds(plan, n, fresh, band)
                                                     + costs.overhead("sequential"))
             if rate > best_rate:
                 best, best_rate = plan, rate
         if self.trees and band.tree_nodes:
-            plan = Plan("tree", B)
-            rate = n * (1 + E("tree", B)) / (self.forward_seconds(plan, n, fresh, band) + costs.overhead("tree"))
+            plan = Plan(Mode.TREE, B, nodes=band.tree_nodes)
+            rate = n * (1 + E(TREE, B)) / (self.forward_seconds(plan, n, fresh, band) + costs.overhead("tree"))
             if rate > best_rate:
                 best, best_rate = plan, rate
-        for Bv in (self.block_sizes(B) if rule == "parallel" else ()):
-            p_len = acc.length_distribution("parallel", Bv).sort(descending=True).values
+        for Bv in (self.block_sizes(B) if rule == Mode.PARALLEL else ()):
+            p_len = acc.length_distribution(PARALLEL, Bv).sort(descending=True).values
             # rows without drafts get a sequential drafter pass first (bonus-known drafts) and pay for it
-            tokens = ((n - fresh) * (1 + E("parallel", Bv))
-                      + fresh * (1 + E("sequential", Bv)))
+            tokens = (n - fresh) * (1 + E(PARALLEL, Bv)) + fresh * (1 + E(SEQUENTIAL, Bv))
             for m in sorted({1, 2, 3, Bv + 1} & set(range(1, Bv + 2))):
-                plan = Plan("parallel", Bv, m)
+                plan = Plan(Mode.PARALLEL, Bv, m)
                 miss = max(0.0, 1 - float(p_len[:m].sum()))  # a pruned branch: a drafter pass next step
                 seconds = (self.forward_seconds(plan, n, fresh, band) + costs.overhead("parallel")
                            + miss * costs.seconds("draft", n, Bv + 1))
@@ -112,25 +111,22 @@ class Planner:
                     best, best_rate = plan, tokens / seconds
         return best, best_rate
 
-    def lookup(self, options: list[list[tuple[list[list[int]], str | None]]], critical: list[int] | None,
-               rate_to_beat: float, block: int) -> tuple[Plan, int] | None:
-        """The best lookup step over `options` (each: per row its chains and acceptance kind, None without a match)
-        with 1/2/4/`block` drafts per row, if one promises more than rate_to_beat tokens/s -> (plan, index of the
-        option). Rows without a match still get one token. `critical`: the rows that set when the batch drains
-        (None while requests wait): then a step counts n times the tokens of its poorest critical row."""
+    def lookup(self, options: list[Chains], critical: list[int] | None, rate_to_beat: float,
+               block: int) -> tuple[Plan, int] | None:
+        """The best step over model-free `options` (each: per row its chains and kind) with 1/2/4/`block` drafts per
+        row, if one promises more than rate_to_beat tokens/s -> (plan, index of the option). Rows without a match
+        still get one token. `critical`: the rows that set when the batch drains (None while requests wait): then a
+        step counts n times the tokens of its poorest critical row."""
         best, best_rate = None, rate_to_beat
-        for i, proposals in enumerate(options):
-            n = len(proposals)
-            kinds = [kind for _, kind in proposals]
+        for i, option in enumerate(options):
+            n = len(option.kinds)
             for Bv in self.block_sizes(block):
-                expected = {k: self.acceptance.expected_accepted(k, Bv) for k in set(kinds) - {None}}
-                extra = [expected[k] if k else 0.0 for k in kinds]  # per row
+                expected = {k: self.acceptance.expected_accepted(k, Bv) for k in set(option.kinds) - {None}}
+                extra = [expected[k] if k else 0.0 for k in option.kinds]  # per row
                 tokens = n + (sum(extra) if critical is None else n * min(extra[r] for r in critical))
-                # verify tokens after the bonus: Bv for chains (one has at most Bv nodes), a trie's nodes
-                nodes = max([Bv] + [len(trie_nodes([c[:Bv] for c in cs])) for cs, _ in proposals if len(cs) > 1])
-                seconds = self.costs.seconds("target", n, nodes + 1) + self.costs.overhead("lookup")
+                seconds = self.costs.seconds("target", n, option.nodes(Bv) + 1) + self.costs.overhead(Mode.LOOKUP)
                 if tokens / seconds > best_rate:
-                    best, best_rate = (Plan("lookup", Bv), i), tokens / seconds
+                    best, best_rate = (Plan(Mode.LOOKUP, Bv), i), tokens / seconds
         return best
 
 

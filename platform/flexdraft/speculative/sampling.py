@@ -98,33 +98,29 @@ def top_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tens
 
 
 def filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """[N, V] logits -> fp32 logits after temperature, top-k and top-p (removed tokens at -inf).
+    """[N, V] logits -> fp32 logits after the request's temperature, top-k and top-p (removed tokens at -inf).
 
     Speculative sampling must apply exactly this to both the target and the draft distributions."""
-    logits = logits.float() / params.temperature
-    if params.top_k and params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1.0:
-        logits = logits.masked_fill(top_p_drop(logits, params.top_p), float("-inf"))
-    return logits
+    return SamplingBatch.of([params], [None]).filtered(logits[None])[0]
 
 
-def top_p_drop(logits: torch.Tensor, top_p: float, first: int = 256) -> torch.Tensor:
-    """[N, V] logits -> [N, V] bool: the tokens top-p removes. A token goes when the tokens ranked above it
-    already cover top_p of the probability (the first always stays). Where a row's `first` most probable tokens
-    hold top_p of its mass (a peaked distribution, the usual case) every token beyond them goes, so only those
-    are ranked; other rows sort the whole vocabulary (1.8 ms per row of 49k on a CPU core)."""
-    def cut(ranked: torch.Tensor) -> torch.Tensor:  # probabilities in descending order -> which go
-        return ranked.cumsum(-1) - ranked >= top_p
+def top_p_drop(logits: torch.Tensor, top_p: torch.Tensor | float, first: int = 256) -> torch.Tensor:
+    """[N, V] logits, top_p [N, 1] (or one for all) -> [N, V] bool: the tokens top-p removes. A token goes when the tokens ranked
+    above it already cover top_p of the probability (the first always stays). Where a row's `first` most probable
+    tokens hold top_p of its mass (a peaked distribution, the usual case) every token beyond them goes, so only
+    those are ranked; other rows sort the whole vocabulary (1.8 ms per row of 49k on a CPU core)."""
+    def cut(ranked: torch.Tensor, p: torch.Tensor) -> torch.Tensor:  # probabilities in descending order -> which go
+        return ranked.cumsum(-1) - ranked >= p
 
+    if not isinstance(top_p, torch.Tensor):
+        top_p = torch.full((logits.shape[0], 1), float(top_p), device=logits.device)
     probs = logits.softmax(-1)
     top, order = probs.topk(min(first, probs.shape[-1]), dim=-1)  # [N, k], descending
-    drop = torch.ones_like(probs, dtype=torch.bool).scatter_(-1, order, cut(top))
-    wide = top.cumsum(-1)[:, -1] < top_p  # [N]: the cut falls beyond the first k
+    drop = torch.ones_like(probs, dtype=torch.bool).scatter_(-1, order, cut(top, top_p))
+    wide = (top.cumsum(-1)[:, -1:] < top_p).squeeze(-1)  # [N]: the cut falls beyond the first k
     if wide.any():
         ranked, full = probs[wide].sort(dim=-1, descending=True)
-        gone = cut(ranked)
+        gone = cut(ranked, top_p[wide])
         drop[wide] = gone.scatter(-1, full, gone)
     return drop
 
@@ -133,9 +129,88 @@ def draw(weights: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     """[..., V] non-negative weights -> [...] tokens drawn in proportion to them, by the inverse CDF: one
     uniform per row (torch.multinomial draws an exponential per vocabulary entry: 3 ms for 8 x 49k on a CPU
     core). A zero-weight token owns an empty interval and is never drawn."""
+    u = torch.rand(weights.shape[:-1], generator=generator, dtype=torch.float64, device=weights.device)
+    return inverse_cdf(weights, u)
+
+
+def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """[..., V] non-negative weights, [...] uniforms in [0, 1) -> [...] the tokens whose CDF interval holds u."""
     cdf = weights.double().cumsum(-1)
-    u = torch.rand(cdf.shape[:-1] + (1,), generator=generator, dtype=cdf.dtype, device=cdf.device) * cdf[..., -1:]
-    return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp(max=cdf.shape[-1] - 1)
+    x = (u.double()[..., None] * cdf[..., -1:]).contiguous()
+    return torch.searchsorted(cdf, x, right=True).squeeze(-1).clamp(max=cdf.shape[-1] - 1)
+
+
+@dataclass(frozen=True)
+class SamplingBatch:
+    """The sampling settings of a step's rows, built once per step: which rows sample (the rest are greedy), and
+    the sampled rows' temperatures, top-k, top-p and generators, as tensors over those rows, so the target's and
+    the drafts' distributions are filtered for every sampled row in one pass. Each request keeps its own
+    generator: every draw of row i comes from generators[i]."""
+    sampled: torch.Tensor  # [s] indices of the sampled rows
+    generators: tuple  # [s] their generators
+    temperature: torch.Tensor  # [s] fp32
+    top_k: torch.Tensor  # [s] (0 = off)
+    top_p: torch.Tensor  # [s] fp32 (1 = off)
+
+    @staticmethod
+    def of(params: list[SamplingParams], generators: list, device="cpu") -> "SamplingBatch":
+        rows = [i for i, p in enumerate(params) if not p.greedy]
+        return SamplingBatch(torch.tensor(rows, dtype=torch.long, device=device), tuple(generators[i] for i in rows),
+                             torch.tensor([params[i].temperature for i in rows], dtype=torch.float32, device=device),
+                             torch.tensor([params[i].top_k for i in rows], dtype=torch.long, device=device),
+                             torch.tensor([params[i].top_p for i in rows], dtype=torch.float32, device=device))
+
+    @property
+    def all_greedy(self) -> bool:
+        return not self.generators
+
+    def subset(self, rows: list[int]) -> "SamplingBatch":
+        """The batch over `rows` (indices of this batch's rows, in that order)."""
+        if self.all_greedy:
+            return self
+        where = {r: i for i, r in enumerate(self.sampled.tolist())}
+        pairs = [(j, where[r]) for j, r in enumerate(rows) if r in where]
+        mine = torch.tensor([i for _, i in pairs], dtype=torch.long, device=self.sampled.device)
+        return SamplingBatch(torch.tensor([j for j, _ in pairs], dtype=torch.long, device=self.sampled.device),
+                             tuple(self.generators[i] for _, i in pairs), self.temperature[mine], self.top_k[mine],
+                             self.top_p[mine])
+
+    def filtered(self, logits: torch.Tensor) -> torch.Tensor:
+        """[s, ..., V] logits of the sampled rows -> fp32 logits after each row's temperature, top-k and top-p
+        (removed tokens at -inf)."""
+        s, V = logits.shape[0], logits.shape[-1]
+        x = logits.float() / self.temperature.view(s, *[1] * (logits.dim() - 1))
+        flat = x.reshape(s, -1, V)
+        k = torch.where((self.top_k > 0) & (self.top_k < V), self.top_k, 0)
+        if bool(k.any()):
+            kth = flat.topk(int(k.max()), dim=-1).values.gather(-1, (k - 1).clamp(min=0).view(s, 1, 1).expand(
+                -1, flat.shape[1], 1))  # [s, T, 1]: each row's k-th largest
+            flat = flat.masked_fill((flat < kth) & (k > 0).view(s, 1, 1), float("-inf"))
+        if bool((self.top_p < 1).any()):
+            p = self.top_p[:, None].expand(-1, flat.shape[1]).reshape(-1, 1)
+            flat = flat.masked_fill(top_p_drop(flat.reshape(-1, V), p).view_as(flat), float("-inf"))
+        return flat.view(x.shape)
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """[s, ..., V] logits of the sampled rows -> their filtered distributions (fp32)."""
+        return self.filtered(logits).softmax(-1)
+
+    def uniform(self, *shape: int, device="cpu") -> torch.Tensor:
+        """[s, *shape] float64 uniforms, row i's from its own generator (one call per row, no host sync)."""
+        return torch.stack([torch.rand(shape, generator=g, dtype=torch.float64, device=device)
+                            for g in self.generators]) if self.generators else torch.zeros(0, *shape, device=device)
+
+    def draw(self, weights: torch.Tensor) -> torch.Tensor:
+        """[s, ..., V] non-negative weights -> [s, ...] tokens, row i's drawn with its own generator."""
+        return inverse_cdf(weights, self.uniform(*weights.shape[1:-1], device=weights.device))
+
+    def sample(self, logits: torch.Tensor) -> torch.Tensor:
+        """[n, V] logits of every row -> [n] next tokens: the argmax for greedy rows, a draw from each sampled
+        row's filtered distribution."""
+        tokens = argmax_tokens(logits)
+        if not self.all_greedy:
+            tokens[self.sampled] = self.draw(self.probs(logits[self.sampled]))
+        return tokens
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
@@ -146,12 +221,22 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
 
 
 @dataclass
+class GenerationStats:
+    """How a request was decoded: accepted drafts per speculative step, tau (tokens per target forward after the
+    prefill), its target forwards and their shares by step mode (e.g. {"ar": 0.25, "sequential": 0.75})."""
+    accepted_lengths: list[int] = field(default_factory=list)
+    tau: float = 1.0
+    forwards: int = 0
+    mode_share: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
 class Generation:
     token_ids: list[int]  # generated ids only; ends with the EOS token if one was produced
-    finish_reason: str  # "eos" | "length" | "time" (stopped by a deadline)
+    finish_reason: str  # "eos" | "length" | "time" (stopped by a deadline) | "abort"
     seconds: float  # this row's share of the batch's wall time
     prompt_len: int
-    extra: dict = field(default_factory=dict)
+    stats: GenerationStats = field(default_factory=GenerationStats)
 
 
 def make_generator(params: SamplingParams, device) -> torch.Generator | None:

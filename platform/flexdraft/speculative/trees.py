@@ -1,11 +1,9 @@
 """Token trees as tensors: which drafts a tree step verifies (`draft_tree`), a trie of lookup chains
-(`chain_trie`), and how a verified tree is walked, greedily (`tree_ancestors` + `tree_walk`) or by speculative
-sampling (`tree_sample`). Pure functions of their inputs; node 0 is the bonus, the root."""
+(`chain_trie`), and how a verified tree is walked greedily (`tree_ancestors` + `tree_walk`; sampled rows:
+`verify.sample_trees`). Pure functions of their inputs; node 0 is the bonus, the root."""
 from __future__ import annotations
 
 import torch
-
-from flexdraft.speculative.sampling import draw
 
 
 def draft_tree(logp: torch.Tensor, N: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -65,29 +63,6 @@ def chain_trie(chains: list[list[list[int]]], fill: list[int], device) -> tuple[
     N = max(1, *map(len, rows))
     table = torch.tensor([r + [(1, 0, f)] * (N - len(r)) for r, f in zip(rows, fill)], dtype=torch.long, device=device)
     return table[..., 0], table[..., 1], table[..., 2]
-
-
-def tree_sample(p: torch.Tensor, tokens: torch.Tensor, parent: torch.Tensor, generator) -> tuple[int, int]:
-    """A sampled row's walk of its token tree: p [N + 1, V] the target's (filtered) distributions after each
-    verify token, tokens [N + 1] (0: the bonus), parent [N] -> (the accepted node's verify index, the next
-    token). Speculative sampling with deterministic drafts (q a point mass on the draft): a node's children
-    are tried in order, child c accepted with probability r(c), where r is p at the node with the rejected
-    children's mass removed and renormalised; if every child is rejected (or there is none) the next token is
-    drawn from r. Each emitted token is therefore distributed exactly as p given the tokens before it."""
-    children: list[list[int]] = [[] for _ in range(tokens.shape[0])]
-    for i, par in enumerate(parent.tolist()):
-        children[par].append(i + 1)
-    node, r = 0, p[0]
-    while True:
-        for c in children[node]:
-            t = tokens[c]
-            if torch.rand((), generator=generator, device=r.device) * r.sum() < r[t]:
-                node, r = c, p[c]
-                break
-            r = r.clone()
-            r[t] = 0  # rejected: the remaining mass is r without t (it is > 0: t did not hold all of it)
-        else:
-            return node, int(draw(r, generator))
 
 
 def tree_ancestors(parent: torch.Tensor) -> torch.Tensor:
