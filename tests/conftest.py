@@ -185,7 +185,7 @@ def recorded_pipeline(model: Path, root: Path, name: str, data: Path, seed: int)
 
     from flexdraft.core.config import from_dict
     from flexdraft.core.tracking import start_run
-    from flexdraft.drafter.model import Drafter, save_drafter, weights_fingerprint
+    from flexdraft.drafter.model import Drafter, save_drafter
     from flexdraft.drafter.recipe import PipelineConfig
     from flexdraft.models.loading import load_model
     from flexdraft.training.common import run_key
@@ -207,7 +207,7 @@ def recorded_pipeline(model: Path, root: Path, name: str, data: Path, seed: int)
             cfg.root.mkdir(parents=True, exist_ok=True)
             (cfg.root / f"{stage}-{run_key(cfg, stage)}.mlflow-run").write_text(run.info.run_id)
             ev = {"eval/bonus/tau": 1.25 + seed / 100, "eval/mask/tau": 1.1}
-            folder = save_drafter(drafter, cfg.drafter_dir(stage), str(model), weights_fingerprint(target),
+            folder = save_drafter(drafter, cfg.drafter_dir(stage), str(model), target.fingerprint,
                                   {"stage": stage, "eval": ev, "steps": 3})
             mlflow.set_tag("flexdraft.model_id", log_stage_model(folder, stage, ev, data))
     return cfg

@@ -1,5 +1,5 @@
 """The library's layers (pyproject's [tool.importlinter] contract: core -> models -> speculative -> drafter ->
-engine -> training, evaluation, serving, cluster -> tuning -> cli) hold, and the check is not vacuous: the
+engine -> mlmodel -> training, evaluation, serving, cluster -> tuning -> cli) hold, and the check is not vacuous: the
 same package with one upward import breaks it."""
 import shutil
 import subprocess

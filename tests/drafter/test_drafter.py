@@ -7,7 +7,7 @@ import torch
 
 from conftest import make_tiny_hf
 from flexdraft.core.config import RuntimeConfig
-from flexdraft.drafter.model import Drafter, DrafterConfig, load_drafter, save_drafter, weights_fingerprint
+from flexdraft.drafter.model import Drafter, DrafterConfig, load_drafter, save_drafter
 from flexdraft.core.errors import FlexDraftError
 from flexdraft.models.loading import load_model
 from flexdraft.speculative.sampling import SamplingParams
@@ -215,7 +215,7 @@ def test_save_load_roundtrip_and_base_mismatch(tiny, tmp_path):
     drafter = Drafter.from_target(tiny, DrafterConfig(k=3, block_size=5, entry_layer=1))
     with torch.no_grad():
         drafter.calibration.down.weight.normal_()
-    save_drafter(drafter, tmp_path / "d", "tiny", weights_fingerprint(tiny))
+    save_drafter(drafter, tmp_path / "d", "tiny", tiny.fingerprint)
     assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["drafter.json", "drafter.safetensors"]
     loaded = load_drafter(tmp_path / "d", tiny)
     assert loaded.config == drafter.config
@@ -245,7 +245,7 @@ def test_fingerprint_ignores_dtype(tiny, tmp_path):
     make_tiny_hf("qwen3", tmp_path)
     a = load_model(tmp_path, CPU32, with_tokenizer=False).model
     b = load_model(tmp_path, RuntimeConfig(device="cpu", dtype="bfloat16", threads=1), with_tokenizer=False).model
-    assert weights_fingerprint(a) == weights_fingerprint(b) == weights_fingerprint(tiny)
+    assert a.fingerprint == b.fingerprint == tiny.fingerprint
 
 
 @pytest.mark.parametrize("cfg,msg", [(DrafterConfig(k=9), "between 1 and the model's 4 layers"),

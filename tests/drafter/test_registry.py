@@ -194,7 +194,6 @@ def test_promoting_another_version_switches_what_the_alias_loads_and_its_policy_
     from flexdraft.drafter.registry import attach_policy, lookup, resolve
     from flexdraft.serving.config import ServeConfig, drafter_spec
     from flexdraft.models.loading import load_model
-    from flexdraft.drafter.model import weights_fingerprint
     from flexdraft.speculative.policy_file import Band, Policy, save_policy
     from flexdraft.training.register import register_drafter
 
@@ -212,7 +211,7 @@ def test_promoting_another_version_switches_what_the_alias_loads_and_its_policy_
     assert user["drafter_version"] == "2" and drafter_spec(from_dict(ServeConfig, user)) == second
     assert (after / "drafter.safetensors").read_bytes() != (before / "drafter.safetensors").read_bytes()
 
-    fp = weights_fingerprint(load_model(model, with_tokenizer=False).model)
+    fp = load_model(model, with_tokenizer=False).model.fingerprint
     policy = save_policy(Policy(switch_batch=2, bands=[Band(1, "parallel", block=2), Band(None, "sequential")],
                                 target={"model": "tiny", "fingerprint": fp},
                                 drafter={"path": second, "fingerprint": v.tag("weights_digest"), "block_size": 4}),

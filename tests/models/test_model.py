@@ -120,7 +120,6 @@ def test_fused_projections_keep_the_state_and_share_its_memory(tmp_path, prepack
     """to_runtime's fused q/k/v and gate/up GEMMs (with attention biases): the state_dict has the names and shapes
     of a model that was never fused (so weight fingerprints do not change), the originals' weights are views of
     the fused ones (no memory added), and a forward equals that never-fused model's."""
-    from flexdraft.drafter.model import weights_fingerprint
     from flexdraft.models.transformer import Transformer
 
     make_tiny_hf("llama", tmp_path, attention_bias=True)
@@ -130,7 +129,7 @@ def test_fused_projections_keep_the_state_and_share_its_memory(tmp_path, prepack
     shapes = lambda m: {k: tuple(v.shape) for k, v in m.state_dict().items()}
     assert shapes(model) == shapes(never_fused)
     never_fused.load_state_dict(model.state_dict())
-    assert weights_fingerprint(model) == weights_fingerprint(never_fused)
+    assert model.fingerprint == never_fused.fingerprint
     attn = model.layers[0].self_attn
     fused = attn.qkv.linear
     assert attn.k_proj.weight.untyped_storage().data_ptr() == fused.weight.untyped_storage().data_ptr()

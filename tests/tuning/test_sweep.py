@@ -82,9 +82,8 @@ def _policy_for(path: Path, target: str, drafter: str) -> Path:
 
 
 def test_generate_takes_a_policy_and_refuses_one_for_another_model_or_drafter(tmp_path, capsys, tiny_smollm2):
-    from flexdraft.drafter.model import weights_fingerprint
 
-    fp = weights_fingerprint(load_model(tiny_smollm2, RuntimeConfig(device="cpu"), with_tokenizer=False).model)
+    fp = load_model(tiny_smollm2, RuntimeConfig(device="cpu"), with_tokenizer=False).model.fingerprint
     good = _policy_for(tmp_path / "good.yaml", fp, "init-k2-B8")
     assert load_policy(good).bands == [Band(1, "parallel", block=4), Band(None, "sequential")]  # round trip
     argv = ["generate", "--model", str(tiny_smollm2), "--drafter", "init", "--prompt", "hi", "--max-new-tokens", "4"]

@@ -18,7 +18,6 @@ position and goes unused then (`draft_slots`). A masked slot 0 (the bonus not kn
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from dataclasses import asdict, dataclass
@@ -321,18 +320,6 @@ class Drafter(nn.Module):
         return h + self.calibration(target.embed_tokens(bonus), h)
 
 
-def weights_fingerprint(model: Transformer) -> str:
-    """A short hash of the target's weights that does not depend on the dtype or device it was loaded in:
-    a strided sample of every tensor, rounded to bf16 (fp32 and bf16 loads of one checkpoint agree)."""
-    h = hashlib.sha256()
-    for name, t in sorted(model.state_dict().items()):
-        flat = t.detach().reshape(-1)
-        sample = flat[:: max(1, flat.numel() // 4096)].to("cpu", torch.bfloat16).view(torch.int16)
-        h.update(f"{name}:{tuple(t.shape)}".encode())
-        h.update(sample.numpy().tobytes())
-    return h.hexdigest()[:16]
-
-
 def save_drafter(drafter: Drafter, folder: str | Path, base_name: str, base_fingerprint: str,
                  info: dict | None = None) -> Path:
     """Safetensors of the drafter's own tensors (fp32) + drafter.json; written to a temp name, then renamed."""
@@ -374,7 +361,7 @@ def load_drafter(folder: str | Path, target: Transformer) -> Drafter:
     from flexdraft.core.config import from_dict
 
     meta = read_drafter_meta(folder)
-    fingerprint = weights_fingerprint(target)
+    fingerprint = target.fingerprint
     if meta["base_fingerprint"] != fingerprint:
         raise FlexDraftError(f"drafter {folder} was trained for other base weights ({meta['base_model']}, "
                              f"fingerprint {meta['base_fingerprint']}); the loaded model's is {fingerprint}")

@@ -142,7 +142,7 @@ def lookup(ref: str, mlflow_client=None) -> Version:
 
 def resolve(ref: str, base_fingerprint: str | None = None) -> tuple[Path, Version | None]:
     """A drafter reference -> (the local folder to load, its registered version or None for a folder).
-    base_fingerprint: the loaded target's (`weights_fingerprint`); a version registered for other weights is
+    base_fingerprint: the loaded target's (`Transformer.fingerprint`); a version registered for other weights is
     refused before its download. A version is downloaded once, into a folder keyed by name and version, and its
     weights are checked against the digest it was registered with."""
     if not is_model_uri(ref):

@@ -1,12 +1,18 @@
 """The engine's configuration (`EngineConfig`: the mode, the policy knobs, the batch and cache sizes; also the
-flags of `flexdraft generate`)."""
+flags of `flexdraft generate`), a frozen value: `resolve` builds the one an engine runs with, and a live engine
+changes its knobs only through `Engine.reconfigure`, which replaces the value."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from flexdraft.drafter.model import Drafter
 from flexdraft.core.errors import FlexDraftError
 from flexdraft.speculative.drafts import MODES, NO_DRAFTER, Mode
+
+if TYPE_CHECKING:
+    from flexdraft.speculative.policy_file import Policy
 
 
 def _knob(default, help_: str, flag: str = ""):
@@ -14,7 +20,7 @@ def _knob(default, help_: str, flag: str = ""):
     return field(default=default, metadata={"help": help_, "flag": flag})
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineConfig:
     mode: str = "adaptive"  # one of MODES
     block_size: int = _knob(0, "drafts verified per step (0 = the drafter's block size; lookup alone: 8)")
@@ -59,7 +65,23 @@ class EngineConfig:
             raise FlexDraftError(f"switch_batch must be >= 0, got {self.switch_batch}")
         if self.max_batch < 1:
             raise FlexDraftError(f"max_batch must be >= 1, got {self.max_batch}")
-        if self.max_len == 0:
-            self.max_len = min(2048, context)
         if not 2 <= self.max_len <= context:
             raise FlexDraftError(f"max_len={self.max_len} must be between 2 and the model's context of {context}")
+
+
+def resolve(cfg: EngineConfig, drafter: Drafter | None, context: int, policy: "Policy | None" = None,
+            mode_given: bool = True) -> EngineConfig:
+    """The config an engine runs with, built once from what was asked (the caller's value is left as it was):
+    without an explicit mode (mode_given False), adaptive when there is a drafter, else AR; a policy's settings
+    (adaptive, its S and cost model, the largest block, tree and n-gram size its bands use); max_len 0 ->
+    min(2048, context). Checked whole: FlexDraftError names what is wrong."""
+    changes: dict = {}
+    if policy is not None:
+        changes.update(policy.engine_settings())
+    elif not mode_given:
+        changes["mode"] = Mode.ADAPTIVE.value if drafter is not None else Mode.AR.value
+    if cfg.max_len == 0:
+        changes["max_len"] = min(2048, context)
+    resolved = dataclasses.replace(cfg, **changes)
+    resolved.check(drafter, context)
+    return resolved

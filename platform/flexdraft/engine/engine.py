@@ -29,11 +29,11 @@ from typing import Sequence
 
 import torch
 
-from flexdraft.core.errors import FlexDraftError
+from flexdraft.core.errors import ContextTooLong, FlexDraftError
 from flexdraft.drafter.model import Drafter, parallel_forward
 from flexdraft.engine.ar import prefill
 from flexdraft.engine import profiling
-from flexdraft.engine.config import EngineConfig
+from flexdraft.engine.config import EngineConfig, resolve
 from flexdraft.engine.proposers import DrafterProposer, LookupProposer, ModelFreeProposer, critical_rows
 from flexdraft.engine.state import Request, RowState, draft_caps, speculating_share
 from flexdraft.engine.stats import IDLE, PREFILL, Recovery, SpecDecodingStats, StepOutput, StepStats
@@ -60,14 +60,12 @@ class Engine:
     def __init__(self, target: Transformer, drafter: Drafter | None, config: EngineConfig, eos_token_ids=(),
                  acceptance_prior: dict | None = None, store: NgramStore | None = None, policy: Policy | None = None,
                  proposers: Sequence[ModelFreeProposer] = ()):
-        """policy: the step settings per live batch size (`policy_file`); it sets the config's mode (adaptive), S,
-        cost model and the largest block, tree and n-gram size its bands use. The caller checks it was measured
-        for this target and drafter (`runner.resolve_policy`). proposers: model-free draft sources weighed beside
+        """config: as asked (`config.resolve` makes the one the engine runs with, `self.config`). policy: the step
+        settings per live batch size (`policy_file`); it sets the config's mode (adaptive), S, cost model and the
+        largest block, tree and n-gram size its bands use. The caller checks it was measured for this target and
+        drafter (`runner.resolve_policy`). proposers: model-free draft sources weighed beside
         prompt lookup (adaptive and lookup steps)."""
-        if policy is not None:
-            for key, value in policy.engine_settings().items():
-                setattr(config, key, value)
-        config.check(drafter, target.args.max_position_embeddings)
+        config = resolve(config, drafter, target.args.max_position_embeddings, policy)
         self.target, self.drafter, self.config, self.policy = target, drafter, config, policy
         if drafter is not None and drafter.paired is None:
             raise FlexDraftError("the drafter is not ready for inference: call drafter.to_runtime(target) first "
@@ -112,10 +110,9 @@ class Engine:
         if unknown:
             raise FlexDraftError(f"not a live engine knob: {', '.join(sorted(unknown))} (live: {', '.join(LIVE_KNOBS)})")
         changed = {k: v for k, v in knobs.items() if v != getattr(self.config, k)}
-        trial = dataclasses.replace(self.config, **changed)
-        trial.check(self.drafter, self.target.args.max_position_embeddings)
-        for k, v in changed.items():
-            setattr(self.config, k, v)
+        new = dataclasses.replace(self.config, **changed)
+        new.check(self.drafter, self.target.args.max_position_embeddings)
+        self.config = new
         self.planner.switch_batch, self.planner.cost_model = self.config.switch_batch, self.config.cost_model
         self.planner.forget_plans()
         return changed
@@ -134,7 +131,7 @@ class Engine:
             raise FlexDraftError(f"prompt has token id {bad[0]} outside the vocabulary of {V}")
         need = self.slots_needed(len(prompt), params.max_new_tokens)
         if need > self.config.max_len:
-            raise FlexDraftError(f"prompt of {len(prompt)} tokens + max_new_tokens {params.max_new_tokens} + "
+            raise ContextTooLong(f"prompt of {len(prompt)} tokens + max_new_tokens {params.max_new_tokens} + "
                                  f"{need - len(prompt) - params.max_new_tokens} verify and branch slots = {need} "
                                  f"exceeds the cache of {self.config.max_len} slots per row (engine max_len)")
 
@@ -328,7 +325,7 @@ class Engine:
         first = batch.sample(self.target.logits(h))  # [k]
         self.state.bonus[rows] = first
         self.state.ndrafts[rows] = 0
-        return {req.id: self._emit(r, [tok]) for r, req, tok in zip(range(n0, n0 + len(new)), new, first.tolist())}
+        return {req.id: req.emit([tok], self.eos) for req, tok in zip(new, first.tolist())}
 
     def recover(self) -> Recovery:
         """After a step that raised: every request in a row goes back to the front of the waiting queue (one that
@@ -349,23 +346,6 @@ class Engine:
                 self.finished[req.id] = req
         tokens = {req.id: list(req.tokens) for req in (*back, *self.finished.values())}
         return Recovery(tokens, list(self.finished), list(self.stats.admitted_ids))
-
-    def _emit(self, row: int, tokens: list[int]) -> list[int]:
-        """Append tokens to the row's request, cut at EOS or max_new_tokens -> the tokens it kept."""
-        req = self.slots[row]
-        room = req.params.max_new_tokens - len(req.tokens)
-        emitted = []
-        for t in tokens[:room]:
-            emitted.append(t)
-            if t in self.eos:
-                req.finish_reason = "eos"
-                break
-        req.tokens.extend(emitted)
-        if req.index is not None:
-            req.index.extend(emitted)
-        if req.finish_reason is None and len(req.tokens) >= req.params.max_new_tokens:
-            req.finish_reason = "length"
-        return emitted
 
     # ---------------------------------------------------------------- verification
 
@@ -434,7 +414,7 @@ class Engine:
             req.modes[mode] = req.modes.get(mode, 0) + 1
             if mode != Mode.AR:
                 req.accepted.append(acc[r])
-            out[req.id] = self._emit(r, path[r][: acc[r]] + [bonus[r]])
+            out[req.id] = req.emit(path[r][: acc[r]] + [bonus[r]], self.eos)
         return out
 
     def _move_path(self, lens: torch.Tensor, drafts: Drafts, verdict: Verdict) -> torch.Tensor:

@@ -13,9 +13,9 @@ import torch
 from flexdraft.core import logs
 from flexdraft.core.config import RuntimeConfig, data_dir
 from flexdraft.drafter import registry
-from flexdraft.drafter.model import Drafter, DrafterConfig, load_drafter, read_drafter_meta, weights_fingerprint
+from flexdraft.drafter.model import Drafter, DrafterConfig, load_drafter, read_drafter_meta
 from flexdraft.engine.engine import Engine
-from flexdraft.engine.config import EngineConfig
+from flexdraft.engine.config import EngineConfig, resolve
 from flexdraft.core.errors import FlexDraftError
 from flexdraft.speculative.drafts import NO_DRAFTER, Mode
 from flexdraft.speculative.lookup import NgramStore
@@ -49,7 +49,7 @@ def resolve_drafter(spec: str | None, target, required: bool) -> DrafterChoice:
                              f"init-k{cfg.k}-B{cfg.block_size}")
     version = None
     if registry.is_model_uri(spec):
-        folder, version = registry.resolve(spec, weights_fingerprint(target))
+        folder, version = registry.resolve(spec, target.fingerprint)
     else:
         folder = Path(spec).expanduser() if spec else default_drafter_dir()
     if not spec and not (folder / "drafter.json").is_file():
@@ -84,7 +84,7 @@ def resolve_policy(path: str, target, choice: DrafterChoice) -> Policy:
     if choice.drafter is None:
         raise FlexDraftError(f"policy {path} needs a drafter (it was tuned for {policy.drafter.get('path')}): "
                              "pass --drafter")
-    policy.refuse_other(weights_fingerprint(target), choice.fingerprint, path)
+    policy.refuse_other(target.fingerprint, choice.fingerprint, path)
     here = {"device": str(target.device.type), "dtype": str(target.dtype).removeprefix("torch."),
             "threads": torch.get_num_threads()}
     differs = {k: (policy.machine.get(k), v) for k, v in here.items() if policy.machine.get(k) not in (None, v)}
@@ -119,7 +119,7 @@ def resolve_store(spec: str | None, model: str, vocab_size: int) -> tuple[NgramS
 def profile_file(target, drafter: Drafter, cfg: EngineConfig, tree_sizes: list[int] | None = None) -> Path:
     """The cached cost profile of this model, drafter shape, device, dtype, threads and batch size (tree_sizes:
     a policy's, when other than [tree_nodes])."""
-    key = json.dumps([PROFILE_FORMAT, weights_fingerprint(target), asdict(drafter.config), str(target.device),
+    key = json.dumps([PROFILE_FORMAT, target.fingerprint, asdict(drafter.config), str(target.device),
                       str(target.dtype), target.math_attention, torch.get_num_threads(), cfg.max_batch,
                       cfg.switch_batch, cfg.block_size, cfg.tree_nodes] + ([tree_sizes] if tree_sizes else []),
                      sort_keys=True)
@@ -164,10 +164,7 @@ def load_engine(model: str, runtime: RuntimeConfig, drafter_spec: str | None, cf
     required = (cfg.mode not in NO_DRAFTER and mode_given) or bool(policy_spec)
     choice = resolve_drafter(drafter_spec, lm.model, required=required)
     policy = resolve_policy(policy_spec, lm.model, choice) if policy_spec else None
-    if policy is not None:
-        cfg.mode = Mode.ADAPTIVE.value
-    elif not mode_given:
-        cfg.mode = (Mode.ADAPTIVE if choice.drafter is not None else Mode.AR).value
+    cfg = resolve(cfg, choice.drafter, lm.model.args.max_position_embeddings, policy, mode_given)
     if choice.source:
         note = f"[drafter: {choice.source}; mode {cfg.mode}" + (f", policy {policy_spec}]" if policy else "]")
     else:

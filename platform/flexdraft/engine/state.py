@@ -53,6 +53,22 @@ class Request:
     index: NgramIndex | None = None  # its prompt and tokens, for lookup drafts
     acceptance: RowAcceptance = field(default_factory=RowAcceptance)
 
+    def emit(self, tokens: list[int], eos: set[int]) -> list[int]:
+        """Append tokens, cut at EOS or max_new_tokens -> the tokens kept (the request finishes there)."""
+        room = self.params.max_new_tokens - len(self.tokens)
+        emitted = []
+        for t in tokens[:room]:
+            emitted.append(t)
+            if t in eos:
+                self.finish_reason = "eos"
+                break
+        self.tokens.extend(emitted)
+        if self.index is not None:
+            self.index.extend(emitted)
+        if self.finish_reason is None and len(self.tokens) >= self.params.max_new_tokens:
+            self.finish_reason = "length"
+        return emitted
+
     def generation(self) -> Generation:
         """What a finished request reports: its tokens, tau (tokens per target forward, the prefill's token not
         counted: it costs the same in every mode), its accepted lengths and its forwards' mode shares."""

@@ -204,6 +204,12 @@ class HFRunner:
         self.hf, self.eos, self.pad, self.forwards = hf, eos, pad, 0
         hf.register_forward_hook(lambda *_: setattr(self, "forwards", self.forwards + 1))
 
+    @staticmethod
+    def of(lm, runtime: RuntimeConfig) -> "HFRunner":
+        """Over the `transformers` model of the same weights as `lm`."""
+        pad = lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else 0
+        return HFRunner(load_hf(lm, runtime), list(lm.eos_token_ids), pad)
+
     def run(self, prompts: list[list[int]], batch: int, max_new: int, lookup: int = 0) -> dict:
         self.forwards, outputs = 0, []
 
@@ -300,6 +306,31 @@ def _prompts(lm, cfg: HarnessConfig, datasets: list[str]) -> dict[str, list[list
     return prompts
 
 
+def _write_results(results: dict, out: Path, profile: str, run_id: str, version) -> None:
+    """results.{json,md} and plots into `out`, logged to the active MLflow run; the mean speed-ups linked to a
+    registered drafter's LoggedModel (its page shows them beside its validation tau) and its version tagged."""
+    import mlflow
+
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    (out / "results.md").write_text(report(results) + (f"\n\n## One step, profiled\n\n```\n{profile}\n```\n"
+                                                        if profile else ""))
+    plot(results, out)
+    mean_speedups = {f"mean_speedup_ar.{m}.b{b}": v for m, per in results["summary"].items() for b, v in per.items()}
+    mlflow.log_metrics(mean_speedups, model_id=version.model_id if version else None)
+    if version is not None:
+        set_tags(version, {"bench.last_run": run_id})
+    mlflow.log_artifacts(str(out))
+
+
+def _datasets(cfg: HarnessConfig) -> tuple[list[str], dict[str, str]]:
+    """-> (the config's datasets that ship, {name: why} of those that do not: not run, nothing substituted)."""
+    datasets = check_datasets(cfg.datasets)
+    unavailable = {d: UNAVAILABLE_DATASETS[d] for d in cfg.datasets if d in UNAVAILABLE_DATASETS}
+    for d, why in unavailable.items():
+        log.info(f"{d}: unavailable ({why}); not run, nothing substituted")
+    return datasets, unavailable
+
+
 def run_harness(cfg: HarnessConfig) -> dict:
     """Run every dataset x batch size x method; write results.{json,md} and plots to the output folder and
     log them to MLflow. -> the results dict (also in results.json)."""
@@ -312,14 +343,8 @@ def run_harness(cfg: HarnessConfig) -> dict:
     lm = load_model(cfg.model, runtime)
     choice = resolve_drafter(cfg.drafter or None, lm.model, required=any(map(speculative, cfg.methods)))
     store, store_source = resolve_store(cfg.store or None, cfg.model, lm.model.args.vocab_size)
-    hf = None
-    if any(cfg.method(m).kind != "engine" for m in cfg.methods):
-        pad = lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else 0
-        hf = HFRunner(load_hf(lm, runtime), list(lm.eos_token_ids), pad)
-    datasets = check_datasets(cfg.datasets)
-    unavailable = {d: UNAVAILABLE_DATASETS[d] for d in cfg.datasets if d in UNAVAILABLE_DATASETS}
-    for d, why in unavailable.items():
-        log.info(f"{d}: unavailable ({why}); not run, nothing substituted")
+    hf = HFRunner.of(lm, runtime) if any(cfg.method(m).kind != "engine" for m in cfg.methods) else None
+    datasets, unavailable = _datasets(cfg)
     log.info(f"{cfg.model} {str(lm.model.dtype).removeprefix('torch.')} (dtype {cfg.dtype}) on {lm.model.device}, {torch.get_num_threads()} thread(s); drafter "
         f"{choice.source or 'none'}; n-gram store {store_source or 'none'}; {len(datasets)} dataset(s) x batch "
         f"{cfg.batch_sizes} x {len(cfg.methods)} methods")
@@ -353,24 +378,14 @@ def run_harness(cfg: HarnessConfig) -> dict:
                                                                            "mismatched_rows") if row[k] is not None})
         profile = step_profile(_engine(lm, choice, None, cfg, "parallel-pruned", 1, max_len), prompts[datasets[0]][0]) \
             if cfg.profile and "parallel-pruned" in cfg.methods else ""
+        m = lm.model
         results = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                   "git_commit": git_commit(), "hardware": hardware(), "config": asdict(cfg),
-                   "device": str(lm.model.device), "attention": "math" if lm.model.math_attention else "sdpa",
-                   "dtype": str(lm.model.dtype).removeprefix("torch."), "prepacked": lm.model.lm_head.packed is not None,
-                   "drafter": choice.source, "drafter_eval": choice.prior,
-                   "store": store_source,
-                   "unavailable": unavailable, "seconds": time.perf_counter() - t_start, "output_dir": str(out),
-                   "summary": summary(rows), "noise_floor": noise_floor(rows), "rows": rows}
-        (out / "results.json").write_text(json.dumps(results, indent=1))
-        (out / "results.md").write_text(report(results) + (f"\n\n## One step, profiled\n\n```\n{profile}\n```\n"
-                                                            if profile else ""))
-        plot(results, out)
-        mean_speedups = {f"mean_speedup_ar.{m}.b{b}": v for m, per in results["summary"].items() for b, v in per.items()}
-        # (a registered drafter: its LoggedModel shows them beside its validation tau)
-        mlflow.log_metrics(mean_speedups, model_id=choice.version.model_id if choice.version else None)
-        if choice.version is not None:
-            set_tags(choice.version, {"bench.last_run": run.info.run_id})
-        mlflow.log_artifacts(str(out))
+                   "git_commit": git_commit(), "hardware": hardware(), "config": asdict(cfg), "device": str(m.device),
+                   "attention": "math" if m.math_attention else "sdpa", "dtype": str(m.dtype).removeprefix("torch."),
+                   "prepacked": m.lm_head.packed is not None, "drafter": choice.source, "drafter_eval": choice.prior,
+                   "store": store_source, "unavailable": unavailable, "seconds": time.perf_counter() - t_start,
+                   "output_dir": str(out), "summary": summary(rows), "noise_floor": noise_floor(rows), "rows": rows}
+        _write_results(results, out, profile, run.info.run_id, choice.version)
         if results["noise_floor"]:
             log.info(f"{results['noise_floor']}")
         log.info(f"done in {results['seconds']:.0f}s: {out}/results.md, results.json, plots; MLflow run "

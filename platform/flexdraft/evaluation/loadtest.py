@@ -74,8 +74,8 @@ async def _one(client, url: str, payload: dict, headers: dict) -> Outcome:
         return Outcome(0, time.perf_counter() - t0, error=f"{type(e).__name__}: {e}")
 
 
-async def _level(base: str, prompts: list[str], concurrency: int, first: int, requests: int, stream: bool,
-                 max_tokens: int, headers: dict, timeout: float, model: str | None) -> tuple[list[Outcome], float]:
+async def send_level(base: str, prompts: list[str], concurrency: int, first: int, requests: int, stream: bool,
+                     max_tokens: int, headers: dict, timeout: float, model: str | None) -> tuple[list[Outcome], float]:
     """Requests first .. first + requests - 1 (prompts in turn), at most `concurrency` in flight."""
     import httpx
 
@@ -183,7 +183,7 @@ def run_loadtest(url: str, dataset: str, concurrency: list[int], requests: int, 
         raise FlexDraftError("requests, every concurrency and max_tokens must be >= 1")
     prompts = prompts_of(dataset)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    run = lambda endpoint, c, first, n: asyncio.run(_level(endpoint, prompts, c, first, n, stream, max_tokens,
+    run = lambda endpoint, c, first, n: asyncio.run(send_level(endpoint, prompts, c, first, n, stream, max_tokens,
                                                            headers, timeout, model))
     names = list(endpoints)
     results = {}

@@ -11,6 +11,8 @@ Module and parameter names follow `transformers` so HF checkpoints load by name.
 """
 from __future__ import annotations
 
+import functools
+import hashlib
 import math
 import time
 
@@ -337,6 +339,19 @@ class Transformer(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """A short hash of the weights that does not depend on the dtype or device they were loaded in: a strided
+        sample of every tensor, rounded to bf16 (fp32 and bf16 loads of one checkpoint agree). What drafters,
+        policies and cost profiles are keyed by; computed once (a loaded target's weights never change)."""
+        h = hashlib.sha256()
+        for name, t in sorted(self.state_dict().items()):
+            flat = t.detach().reshape(-1)
+            sample = flat[:: max(1, flat.numel() // 4096)].to("cpu", torch.bfloat16).view(torch.int16)
+            h.update(f"{name}:{tuple(t.shape)}".encode())
+            h.update(sample.numpy().tobytes())
+        return h.hexdigest()[:16]
 
     @property
     def device(self) -> torch.device:

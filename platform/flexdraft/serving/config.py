@@ -12,6 +12,7 @@ from flexdraft.core.errors import FlexDraftError
 from flexdraft.drafter.registry import is_model_uri
 from flexdraft.engine.config import EngineConfig
 from flexdraft.engine.engine import LIVE_KNOBS, Engine  # (any change beyond LIVE_KNOBS needs a new engine)
+from flexdraft.speculative.drafts import Mode
 from flexdraft.speculative.policy_file import POLICY_KEYS
 
 
@@ -97,7 +98,7 @@ def build(cfg: ServeConfig):
         from flexdraft.drafter.recipe import default_drafter_dir
 
         if not (default_drafter_dir() / "drafter.json").is_file():
-            ec.mode = "lookup"
+            ec = dataclasses.replace(ec, mode=Mode.LOOKUP.value)
             logs.get("serve").info(f"no trained drafter ({default_drafter_dir()} does not exist): serving in lookup "
                                    "mode (prompt lookup + n-gram store, AR steps elsewhere); train one with "
                                    "`flexdraft pipeline`")

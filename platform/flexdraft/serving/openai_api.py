@@ -4,6 +4,7 @@ ids or chat messages, incremental detokenisation with stop strings, and the resp
 serving/ray_app.py puts them behind FastAPI."""
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -11,7 +12,7 @@ from dataclasses import dataclass, field
 from pydantic import ValidationError
 
 from flexdraft.core.data import chat_ids
-from flexdraft.core.errors import FlexDraftError
+from flexdraft.core.errors import ContextTooLong, FlexDraftError
 from flexdraft.speculative.sampling import Generation, SamplingParams
 from flexdraft.serving.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -229,6 +230,11 @@ def response(req: Request, text: str, token_ids: list[int], generation: Generati
             "flexdraft": speculation(generation)}
 
 
+def sse(payload: dict) -> str:
+    """One server-sent event."""
+    return f"data: {json.dumps(payload)}\n\n"
+
+
 def chunk(req: Request, text: str | None, token_ids: list[int] | None = None, finish: str | None = None,
           first: bool = False) -> dict:
     """One stream chunk of new text (text None: the usage-only last chunk has no choices)."""
@@ -259,7 +265,7 @@ def fit_to_engine(req: Request, engine) -> None:
         req.params.max_new_tokens = min(req.params.max_new_tokens, room)
     try:
         engine.check_request(req.prompt_ids, req.params)
+    except ContextTooLong as e:
+        raise APIError(400, str(e), "max_tokens", code="context_length_exceeded") from None
     except FlexDraftError as e:
-        too_long = "exceeds" in str(e)
-        raise APIError(400, str(e), "max_tokens" if too_long else "prompt",
-                       code="context_length_exceeded" if too_long else None) from None
+        raise APIError(400, str(e), "prompt") from None

@@ -10,11 +10,10 @@ knobs reconfigures the live engine, anything else builds a new engine in the rep
 
 import asyncio
 import dataclasses
-import hmac
-import json
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -26,11 +25,12 @@ from starlette.exceptions import HTTPException
 from flexdraft.core import logs
 from flexdraft.core.config import from_dict
 from flexdraft.core.errors import FlexDraftError
-from flexdraft.serving.openai_api import (APIError, TextStream, chunk, finish_reason, fit_to_engine, parse_request, response,
-                                  speculation, usage, validation_error)
+from flexdraft.serving.openai_api import (APIError, TextStream, chunk, finish_reason, fit_to_engine, parse_request,
+                                          response, speculation, sse, usage, validation_error)
 from flexdraft.serving.protocol import ChatCompletionRequest, CompletionRequest
-from flexdraft.engine.stats import SpecDecodingStats
-from flexdraft.serving.async_engine import AsyncEngine, EngineFailed, EngineUnavailable
+from flexdraft.serving.async_engine import AsyncEngine, Chunk, EngineFailed, EngineUnavailable
+from flexdraft.serving.metrics import Metrics
+from flexdraft.serving.middleware import Guard, GuardSettings
 from flexdraft.serving.mlflow_reporter import MlflowReporter
 from flexdraft.serving.config import ServeConfig, apply_live, build, check_exposure
 
@@ -39,66 +39,8 @@ log = logs.get("serve")
 FAULTS_ENV = "FLEXDRAFT_FAULT_INJECTION"  # "1": tests may kill the engine loop through a handle (never in production)
 
 
-def _sse(payload: dict) -> str:
-    """One server-sent event."""
-    return f"data: {json.dumps(payload)}\n\n"
-
-
 def _error(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
-
-
-class Guard:
-    """ASGI middleware in front of every route: bodies over `max_body_bytes` get 413 before they are read whole,
-    and every /v1/ route needs the API key when `$api_key_env` is set (401 before the body is parsed). The replica
-    sets both from its user_config."""
-
-    max_body_bytes = 1 << 20
-    api_key_env = "FLEXDRAFT_API_KEY"
-
-    def __init__(self, asgi):
-        self.asgi = asgi
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.asgi(scope, receive, send)
-        path = scope["path"].removeprefix(scope.get("root_path", "")) or "/"
-        key, headers = os.environ.get(self.api_key_env), dict(scope["headers"])
-        if key and path.startswith("/v1/"):
-            given = headers.get(b"authorization", b"").removeprefix(b"Bearer ").strip()
-            if not hmac.compare_digest(given, key.encode()):
-                return await _send_error(send, APIError(401, "invalid or missing API key (Authorization: Bearer ...)",
-                                                        kind="authentication_error", code="invalid_api_key"))
-        length = headers.get(b"content-length")
-        if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
-            return await _send_error(send, self._too_large())
-        body, more = [], True
-        while more:  # read the body here, bounded, and hand it on whole
-            message = await receive()
-            if message["type"] != "http.request":
-                return await self.asgi(scope, _replay([message], receive), send)
-            body.append(message.get("body", b""))
-            more = message.get("more_body", False)
-            if sum(map(len, body)) > self.max_body_bytes:
-                return await _send_error(send, self._too_large())
-        await self.asgi(scope, _replay([{"type": "http.request", "body": b"".join(body), "more_body": False}],
-                                       receive), send)
-
-    def _too_large(self) -> APIError:
-        return APIError(413, f"the request body exceeds {self.max_body_bytes} bytes", code="request_too_large")
-
-
-def _replay(messages: list, receive):
-    async def replayed():
-        return messages.pop(0) if messages else await receive()
-    return replayed
-
-
-async def _send_error(send, e: APIError) -> None:
-    body = json.dumps(e.body()).encode()
-    await send({"type": "http.response.start", "status": e.status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body})
 
 
 app.add_middleware(Guard)
@@ -119,60 +61,6 @@ async def _http(request: Request, exc: HTTPException):
 async def _unexpected(request: Request, exc: Exception):
     log.error(f"unhandled {type(exc).__name__} on {request.url.path}", exc_info=exc)
     return _error(APIError(500, f"internal error ({type(exc).__name__})", kind="server_error"))
-
-
-class Metrics:
-    """Ray Serve custom metrics (exported to Prometheus by Ray) named as vLLM's spec-decode and request metrics."""
-
-    LATENCY_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120]
-
-    def __init__(self):
-        from ray.serve import metrics as m
-
-        self.drafts = m.Counter("flexdraft_spec_decode_num_drafts", "Draft blocks verified (rows x speculative steps)")
-        self.draft_tokens = m.Counter("flexdraft_spec_decode_num_draft_tokens", "Draft tokens verified")
-        self.accepted = m.Counter("flexdraft_spec_decode_num_accepted_tokens", "Draft tokens accepted")
-        self.per_pos = m.Counter("flexdraft_spec_decode_num_accepted_tokens_per_pos",
-                                 "Draft tokens accepted at each draft position", tag_keys=("position",))
-        self.steps = m.Counter("flexdraft_steps", "Engine steps by decoding mode", tag_keys=("mode",))
-        self.batch = m.Gauge("flexdraft_batch_size", "Rows decoded in the latest step")
-        self.running = m.Gauge("flexdraft_num_requests_running", "Requests decoding")
-        self.waiting = m.Gauge("flexdraft_num_requests_waiting", "Requests waiting for a row")
-        self.streams = m.Gauge("flexdraft_num_streams", "Callers waiting for tokens (0 when idle: none leaked)")
-        self.source = None  # the AsyncEngine whose streams are counted
-        self.generated = m.Counter("flexdraft_generation_tokens", "Tokens generated")
-        self.ttft = m.Histogram("flexdraft_time_to_first_token_seconds", "Time to first token",
-                                boundaries=self.LATENCY_BUCKETS)
-        self.tpot = m.Histogram("flexdraft_time_per_output_token_seconds", "Time per output token after the first",
-                                boundaries=[0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2])
-        self.e2e = m.Histogram("flexdraft_e2e_request_latency_seconds", "End-to-end request latency",
-                               boundaries=self.LATENCY_BUCKETS)
-
-    def on_step(self, stats, engine) -> None:
-        """Engine thread, after every step."""
-        self.steps.inc(tags={"mode": stats.mode})
-        self.batch.set(stats.rows)
-        self.running.set(engine.active)
-        self.waiting.set(len(engine.waiting))
-        if self.source is not None:
-            self.streams.set(self.source.load()["streams"])
-        counts = SpecDecodingStats.of_step(stats)
-        if counts.num_drafts:  # (a Ray counter refuses inc(0): a step whose drafts were all rejected accepts 0)
-            self.drafts.inc(counts.num_drafts)
-            self.draft_tokens.inc(counts.num_draft_tokens)
-            if counts.num_accepted_tokens:
-                self.accepted.inc(counts.num_accepted_tokens)
-            for pos, n in enumerate(counts.num_accepted_tokens_per_pos):
-                self.per_pos.inc(n, tags={"position": str(pos)})
-
-    def request_done(self, t0: float, t_first: float | None, tokens: int) -> None:
-        now = time.perf_counter()
-        self.e2e.observe(now - t0)
-        self.generated.inc(tokens)
-        if t_first is not None:
-            self.ttft.observe(t_first - t0)
-            if tokens > 1:
-                self.tpot.observe((now - t_first) / (tokens - 1))
 
 
 def _engine_error(e: Exception, cfg: ServeConfig) -> APIError:
@@ -234,7 +122,7 @@ class FlexDraftServer:
                 raise ValueError(f"bad user_config: {e}") from None
             log.info(f"live engine reconfigured: {changed or 'nothing changed'}")
             self.cfg = cfg
-            Guard.max_body_bytes, Guard.api_key_env = cfg.max_body_bytes, cfg.api_key_env
+            Guard.configure(GuardSettings(cfg.max_body_bytes, cfg.api_key_env))
             return
         if self.engine is not None:
             log.info("model, drafter, runtime or engine shape changed: building a new engine in this replica")
@@ -243,7 +131,7 @@ class FlexDraftServer:
         except FlexDraftError as e:
             raise ValueError(f"bad user_config: {e}") from None
         old, old_reporter, self.lm, self.cfg = self.engine, self.reporter, lm, cfg
-        Guard.max_body_bytes, Guard.api_key_env = cfg.max_body_bytes, cfg.api_key_env
+        Guard.configure(GuardSettings(cfg.max_body_bytes, cfg.api_key_env))
         self.name = cfg.served_model_name or lm.name
         self.engine = self.metrics.source = AsyncEngine(engine, on_step=self.metrics.on_step)
         log.info(f"serving {self.name} {note}")
@@ -331,52 +219,60 @@ class FlexDraftServer:
         if req.stream:
             return StreamingResponse(self._events(req, stream, t0, cfg.request_timeout_s),
                                      media_type="text/event-stream")
-        text, ids, t_first, last, out = TextStream(self.lm.tokenizer, req.stop), [], None, None, []
+        reader = Reader(stream, TextStream(self.lm.tokenizer, req.stop))
         try:
-            async with asyncio.timeout(cfg.request_timeout_s):
-                async for c in stream:
-                    t_first = t_first or time.perf_counter()
-                    ids += c.tokens
-                    out.append(text.add(c.tokens, final=c.finished is not None))
-                    last = c.finished
-                    if text.stopped:
-                        break
+            out = [delta async for _, delta in reader.read(cfg.request_timeout_s)]
         except (FlexDraftError, EngineFailed, TimeoutError) as e:
             return _error(_engine_error(e, cfg))
-        finally:
-            await stream.aclose()
-        self.metrics.request_done(t0, t_first, len(ids))
-        return JSONResponse(response(req, "".join(out), ids, last, text.stopped))
+        self.metrics.request_done(t0, reader.t_first, len(reader.ids))
+        return JSONResponse(response(req, "".join(out), reader.ids, reader.last, reader.text.stopped))
 
     async def _events(self, req, stream, t0: float, timeout_s: float):
         """Server-sent events: a chunk per engine step that made text, the last with its finish_reason, then usage
         (stream_options.include_usage) and `data: [DONE]`; an error ends the stream with an error event."""
-        text, ids, t_first, first = TextStream(self.lm.tokenizer, req.stop), [], None, True
-        last = None
+        reader, first = Reader(stream, TextStream(self.lm.tokenizer, req.stop)), True
         try:
-            async with asyncio.timeout(timeout_s):
-                async for c in stream:
-                    t_first = t_first or time.perf_counter()
-                    ids += c.tokens
-                    delta = text.add(c.tokens, final=c.finished is not None)
-                    last = c.finished
-                    done = text.stopped or last is not None
-                    if delta or done or first:
-                        finish = finish_reason(last, text.stopped) if done else None
-                        yield _sse(chunk(req, delta, c.tokens, finish, first=first))
-                        first = False
-                    if done:
-                        break
+            async for c, delta in reader.read(timeout_s):
+                if delta or reader.done or first:
+                    finish = finish_reason(reader.last, reader.text.stopped) if reader.done else None
+                    yield sse(chunk(req, delta, c.tokens, finish, first=first))
+                    first = False
         except (FlexDraftError, EngineFailed, TimeoutError) as e:
-            yield _sse(_engine_error(e, self.cfg).body())
+            yield sse(_engine_error(e, self.cfg).body())
             yield "data: [DONE]\n\n"
             return
-        finally:
-            await stream.aclose()
         if req.include_usage:
-            yield _sse(chunk(req, None) | {"usage": usage(req, len(ids)), "flexdraft": speculation(last)})
-        self.metrics.request_done(t0, t_first, len(ids))
+            yield sse(chunk(req, None) | {"usage": usage(req, len(reader.ids)), "flexdraft": speculation(reader.last)})
+        self.metrics.request_done(t0, reader.t_first, len(reader.ids))
         yield "data: [DONE]\n\n"
+
+
+class Reader:
+    """One request's token stream read into text, for the JSON and the SSE response alike: `read` yields each
+    chunk with the text it completed, until the request finished or a stop sequence ended the text, and closes
+    the stream whatever happens (a client gone, a timeout: the engine frees the row)."""
+
+    def __init__(self, stream: AsyncIterator[Chunk], text: TextStream):
+        self.stream, self.text = stream, text
+        self.ids: list[int] = []
+        self.last = None  # the finished generation, once it came
+        self.t_first: float | None = None
+        self.done = False
+
+    async def read(self, timeout_s: float) -> AsyncIterator[tuple[Chunk, str]]:
+        try:
+            async with asyncio.timeout(timeout_s):
+                async for c in self.stream:
+                    self.t_first = self.t_first or time.perf_counter()
+                    self.ids += c.tokens
+                    delta = self.text.add(c.tokens, final=c.finished is not None)
+                    self.last = c.finished
+                    self.done = self.text.stopped or self.last is not None
+                    yield c, delta
+                    if self.done:
+                        return
+        finally:
+            await self.stream.aclose()
 
 
 def build_app(args: dict | None = None):

@@ -57,7 +57,7 @@ class Band:
 class Policy:
     switch_batch: int = 4
     bands: list[Band] = field(default_factory=lambda: [Band()])
-    target: dict = field(default_factory=dict)  # {"model": name, "fingerprint": weights_fingerprint}
+    target: dict = field(default_factory=dict)  # {"model": name, "fingerprint": Transformer.fingerprint}
     drafter: dict = field(default_factory=dict)  # {"path": folder or "init", "fingerprint": ..., "block_size": B}
     machine: dict = field(default_factory=dict)  # device, dtype, threads, cpu: where it was measured
     source: dict = field(default_factory=dict)  # the sweep that chose it and what it measured (not read back)

@@ -97,11 +97,17 @@ def top_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tens
     return (vals - lse).view(shape), ids.view(shape)
 
 
+GREEDY: "SamplingBatch"  # the batch of a step whose rows are all greedy (set below the class)
+
+
 def filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """[N, V] logits -> fp32 logits after the request's temperature, top-k and top-p (removed tokens at -inf).
 
     Speculative sampling must apply exactly this to both the target and the draft distributions."""
-    return SamplingBatch.of([params], [None]).filtered(logits[None])[0]
+    one = lambda x, dtype=torch.float32: torch.tensor([x], dtype=dtype, device=logits.device)  # noqa: E731
+    batch = SamplingBatch(one(0, torch.long), (None,), one(params.temperature), one(params.top_k, torch.long),
+                          one(params.top_p))
+    return batch.filtered(logits[None])[0]
 
 
 def top_p_drop(logits: torch.Tensor, top_p: torch.Tensor | float, first: int = 256) -> torch.Tensor:
@@ -155,6 +161,8 @@ class SamplingBatch:
     @staticmethod
     def of(params: list[SamplingParams], generators: list, device="cpu") -> "SamplingBatch":
         rows = [i for i, p in enumerate(params) if not p.greedy]
+        if not rows:  # every row greedy (the common step): nothing to build
+            return GREEDY
         return SamplingBatch(torch.tensor(rows, dtype=torch.long, device=device), tuple(generators[i] for i in rows),
                              torch.tensor([params[i].temperature for i in rows], dtype=torch.float32, device=device),
                              torch.tensor([params[i].top_k for i in rows], dtype=torch.long, device=device),
@@ -211,6 +219,10 @@ class SamplingBatch:
         if not self.all_greedy:
             tokens[self.sampled] = self.draw(self.probs(logits[self.sampled]))
         return tokens
+
+
+_none = torch.zeros(0, dtype=torch.long)
+GREEDY = SamplingBatch(_none, (), _none.float(), _none, _none.float())
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:

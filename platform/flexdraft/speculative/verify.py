@@ -22,6 +22,10 @@ from flexdraft.speculative.trees import tree_walk
 
 def rejection_sample(logits: torch.Tensor, drafts: Drafts, caps: torch.Tensor, batch: SamplingBatch) -> Verdict:
     """logits [n, N + 1, V] at [bonus, node 1..N] of each row -> Verdict."""
+    if not drafts.nodes and batch.all_greedy:  # an AR step: each row's argmax
+        bonus = argmax_tokens(logits[:, 0])
+        zeros = torch.zeros_like(bonus)
+        return Verdict(zeros, zeros, bonus)
     top = argmax_tokens(logits)  # [n, N + 1]
     allowed = drafts.depth <= caps[:, None]  # [n, N]
     match = (drafts.tokens == top.gather(1, drafts.parent)) & allowed

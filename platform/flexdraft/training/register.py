@@ -51,7 +51,7 @@ def log_stage_model(folder: Path, stage: str, final: dict, data: Path | None = N
     measured on (linked as the metrics' dataset)."""
     from flexdraft.drafter.model import read_drafter_meta
     from flexdraft.drafter.registry import weights_digest
-    from flexdraft.engine.mlflow_model import log_drafter_model
+    from flexdraft.mlmodel.log_model import log_drafter_model
 
     meta = read_drafter_meta(folder)
     params = {**meta["config"], "stage": stage, "base_model": meta["base_model"],

@@ -10,7 +10,7 @@ from flexdraft.core.config import RuntimeConfig
 from flexdraft.core.errors import FlexDraftError
 from flexdraft.drafter.recipe import PipelineConfig
 from flexdraft.training.common import STAGES, init_ray, log, model_args, run_key, stage_config
-from flexdraft.training.worker import train_func
+from flexdraft.training.worker import WorkerArgs, train_func
 
 
 def preflight(cfg: PipelineConfig, stage: str) -> dict[str, list[Path]]:
@@ -30,19 +30,34 @@ def preflight(cfg: PipelineConfig, stage: str) -> dict[str, list[Path]]:
         if sum(pq.ParquetFile(f).metadata.num_rows for f in paths) == 0:
             raise FlexDraftError(f"the {split} data in {cfg.distill_dir()} is empty")
     if stage == "calibration":
-        from flexdraft.drafter.model import read_drafter_meta, weights_fingerprint
+        from flexdraft.drafter.model import read_drafter_meta
         from flexdraft.models.loading import load_model
 
         meta = read_drafter_meta(cfg.drafter_dir("attention"))
         target = load_model(cfg.model, RuntimeConfig(device="cpu", dtype="float32", cpu_prepack=False),
                             with_tokenizer=False).model
-        if meta["base_fingerprint"] != weights_fingerprint(target):
+        if meta["base_fingerprint"] != target.fingerprint:
             raise FlexDraftError(f"the drafter in {cfg.drafter_dir('attention')} was trained for other base weights "
                                  f"({meta['base_model']}) than {cfg.model}")
         if meta.get("run_key") != run_key(cfg, "attention"):
             raise FlexDraftError(f"the drafter in {cfg.drafter_dir('attention')} was tuned with another config: "
                                  "run attention tuning with this config first")
     return files
+
+
+def _finished(out: Path, stage: str, key: str) -> dict:
+    """The drafter.json of a stage already trained into `out` with this run key, else {}."""
+    from flexdraft.drafter.model import read_drafter_meta
+
+    try:
+        done = read_drafter_meta(out) if (out / "drafter.json").is_file() else {}
+    except FlexDraftError as e:  # e.g. calibrated by an older FlexDraft (its run key differs too): trained afresh
+        log(stage, f"not reusing {out}: {e}")
+        return {}
+    if done.get("run_key") != key:
+        return {}
+    log(stage, f"reusing {out} (trained earlier with this config)")
+    return done
 
 
 def run_training(cfg: PipelineConfig, stage: str, deadline: float | None = None, callbacks: list | None = None):
@@ -63,13 +78,8 @@ def run_training(cfg: PipelineConfig, stage: str, deadline: float | None = None,
     init_ray()
     key = run_key(cfg, stage)
     out = cfg.drafter_dir(stage)
-    try:
-        done = read_drafter_meta(out) if (out / "drafter.json").is_file() else {}
-    except FlexDraftError as e:  # e.g. calibrated by an older FlexDraft (its run key differs too): trained afresh
-        log(stage, f"not reusing {out}: {e}")
-        done = {}
-    if done.get("run_key") == key:
-        log(stage, f"reusing {out} (trained earlier with this config)")
+    done = _finished(out, stage, key)
+    if done:
         return done
     run_file = cfg.root / f"{stage}-{key}.mlflow-run"
     run_id = run_file.read_text().strip() if run_file.is_file() else None
@@ -87,9 +97,8 @@ def run_training(cfg: PipelineConfig, stage: str, deadline: float | None = None,
     w = cfg.workers
     trainer = TorchTrainer(
         train_func,
-        train_loop_config={"pipeline": asdict(cfg), "stage": stage, "run_key": key, "mlflow_uri": tracking_uri(),
-                           "mlflow_run_id": run.info.run_id,
-                           "deadline": deadline if stage == "attention" else None, "launched": launched},
+        train_loop_config=WorkerArgs(cfg, stage, key, tracking_uri(), run.info.run_id,
+                                     deadline if stage == "attention" else None, launched).to_config(),
         scaling_config=ScalingConfig(num_workers=w.num_workers, use_gpu=w.use_gpu,
                                      resources_per_worker={"CPU": w.threads_per_worker}),
         # read here, into the object store, before the workers start: once they hold every CPU of a small machine,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -107,6 +108,28 @@ def _prepare(cfg: PipelineConfig, stage: str, tc: TrainConfig, device: torch.dev
     return lm, runtime, engine, scheduler, plan
 
 
+@dataclass(frozen=True)
+class WorkerArgs:
+    """What a stage's Ray Train workers are given: the pipeline, the stage and its run key, the stage's MLflow run
+    (tracking URI and run id, rank 0 logs there), the pipeline's deadline (epoch seconds; attention tuning under
+    a pipeline budget, else None) and when the stage was launched. Crosses to the workers as TorchTrainer's
+    `train_loop_config` dict (`to_config` / `from_config`)."""
+    pipeline: PipelineConfig
+    stage: str
+    run_key: str
+    mlflow_uri: str
+    mlflow_run_id: str
+    deadline: float | None
+    launched: float
+
+    def to_config(self) -> dict:
+        return {**asdict(self), "pipeline": asdict(self.pipeline)}
+
+    @staticmethod
+    def from_config(config: dict) -> "WorkerArgs":
+        return WorkerArgs(**{**config, "pipeline": from_dict(PipelineConfig, config["pipeline"])})
+
+
 def train_func(config: dict) -> None:
     """Ray Train worker loop (one per worker), in the shape of Ray's DeepSpeed example: DeepSpeed over the
     drafter's trainable tensors beside the frozen target, resume from ray.train.get_checkpoint(), the dataset
@@ -115,8 +138,8 @@ def train_func(config: dict) -> None:
     import ray.train
     import ray.train.torch
 
-    cfg: PipelineConfig = from_dict(PipelineConfig, config["pipeline"])
-    stage: str = config["stage"]
+    args = WorkerArgs.from_config(config)
+    cfg, stage = args.pipeline, args.stage
     tc = stage_config(cfg, stage)
     torch.set_num_threads(cfg.workers.threads_per_worker)
     device = ray.train.torch.get_device()
@@ -133,7 +156,7 @@ def train_func(config: dict) -> None:
     B = cfg.drafter.block_size
     train_rows = _rows(ray.train.get_dataset_shard("train"), tc.max_seq_len, B + 2)
     val_rows = _rows(ray.train.get_dataset_shard("validation"), tc.max_seq_len, B + 2)[: tc.eval_sequences]
-    run = Worker(cfg, stage, tc, engine, lm, scheduler, plan, val_rows, device, config)
+    run = Worker(args, tc, engine, lm, scheduler, plan, val_rows, device)
     if not train_rows:
         raise FlexDraftError(f"worker {run.rank} got no training sequence long enough for a block of {B}")
     run.start_tracking(start, len(train_rows), runtime)
@@ -146,15 +169,15 @@ class Worker:
     """One worker's run of a stage: its DeepSpeed engine, the frozen target, the step plan, its rank, and (rank 0)
     the stage's MLflow run; `loop` takes the steps, `report` logs and checkpoints through Ray Train."""
 
-    def __init__(self, cfg: PipelineConfig, stage: str, tc: TrainConfig, engine, lm, scheduler, plan: StepPlan,
-                 val_rows: list[dict], device: torch.device, config: dict):
+    def __init__(self, args: WorkerArgs, tc: TrainConfig, engine, lm, scheduler, plan: StepPlan,
+                 val_rows: list[dict], device: torch.device):
         import ray.train
 
         ctx = ray.train.get_context()
         self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
-        self.cfg, self.stage, self.tc, self.engine, self.lm, self.scheduler, self.plan = (
-            cfg, stage, tc, engine, lm, scheduler, plan)
-        self.val_rows, self.device, self.config = val_rows, device, config
+        self.args, self.cfg, self.stage = args, args.pipeline, args.stage
+        self.tc, self.engine, self.lm, self.scheduler, self.plan = tc, engine, lm, scheduler, plan
+        self.val_rows, self.device = val_rows, device
         self.mlflow = None
         self.by_deadline = False
 
@@ -170,8 +193,8 @@ class Worker:
         import mlflow
 
         self.mlflow = mlflow
-        mlflow.set_tracking_uri(self.config["mlflow_uri"])
-        mlflow.start_run(run_id=self.config["mlflow_run_id"])
+        mlflow.set_tracking_uri(self.args.mlflow_uri)
+        mlflow.start_run(run_id=self.args.mlflow_run_id)
         if start == 0:
             mlflow.log_params({"train_sequences_rank0": train_sequences, "world_size": self.world,
                                "resolved_dtype": runtime.dtype_name()})
@@ -189,10 +212,9 @@ class Worker:
             t_eval = time.time()
             self.report(self.evaluate(), 0, save=False)
             eval_s = time.time() - t_eval
-        self.by_deadline = bool(self.config.get("deadline")) and not self.plan.fixed and eval_s is not None
+        self.by_deadline = bool(self.args.deadline) and not self.plan.fixed and eval_s is not None
         if self.by_deadline:
-            self.plan.budget_s = deadline_budget(self.cfg, self.config["deadline"], self.config["launched"],
-                                                 time.time(), eval_s)
+            self.plan.budget_s = deadline_budget(self.cfg, self.args.deadline, self.args.launched, time.time(), eval_s)
 
     def reduce(self, values: list[float], op=None) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64)
@@ -272,7 +294,7 @@ class Worker:
         """The final evaluation; rank 0 saves the drafter, logs it as the run's MLflow model and ends the run."""
         import ray.train
 
-        from flexdraft.drafter.model import save_drafter, weights_fingerprint
+        from flexdraft.drafter.model import save_drafter
         from flexdraft.training.register import log_stage_model
 
         train_seconds = time.perf_counter() - self.t_run
@@ -282,11 +304,11 @@ class Worker:
         final = self.evaluate()
         steps = self.plan.steps
         if self.rank == 0:
-            info = {"stage": self.stage, "steps": steps, "eval": final, "run_key": self.config["run_key"],
+            info = {"stage": self.stage, "steps": steps, "eval": final, "run_key": self.args.run_key,
                     "train_seconds": train_seconds, **throughput}
             self.mlflow.log_metrics(throughput, step=steps)
             folder = save_drafter(self.engine.module, self.cfg.drafter_dir(self.stage), self.lm.name,
-                                  weights_fingerprint(self.lm.model), info)
+                                  self.lm.model.fingerprint, info)
             # (the final evaluation: logged at the last step, linked to the model and its data set)
             model_id = log_stage_model(folder, self.stage, final, self.cfg.distill_dir(), steps)
             self.mlflow.set_tags({"drafter_path": str(folder), "flexdraft.model_id": model_id})

@@ -155,6 +155,28 @@ def write_json(path: Path, data) -> Path:
     return path
 
 
+def _fixed_against_cost_model(complete: list[dict], cfg: SweepConfig, identity: dict, source: dict,
+                              root: Path) -> list[str]:
+    """A decode sweep with trials of both kinds: the best of each at each batch size (markdown lines), and the
+    fixed-threshold trials' own policy (policy-fixed.yaml)."""
+    from flexdraft.speculative.policy_file import save_policy
+
+    fixed = [t for t in complete if not decode_params(t["params"])["cost_model"]]
+    costed = [t for t in complete if decode_params(t["params"])["cost_model"]]
+    if not (fixed and costed):
+        return []
+    lines = ["**Fixed threshold (S only) against the cost model**: the best trial of each at each batch size", "",
+             "| batch | fixed threshold | cost model | wins |", "|---|---|---|---|"]
+    for b in cfg.objective.batch_sizes:
+        f, c = (max(ts, key=lambda t: t["results"][b]["speedup"]) for ts in (fixed, costed))
+        fs, cs = f["results"][b]["speedup"], c["results"][b]["speedup"]
+        lines.append(f"| {b} | {fs:.2f}x ({f['trial_id']}) | {cs:.2f}x ({c['trial_id']}) | "
+                     f"{'fixed' if fs > cs else 'cost model'} |")
+    save_policy(export_policy(fixed, cfg.objective, identity, {**source, "only": "fixed threshold"}),
+                root / "policy-fixed.yaml")
+    return lines + [""]
+
+
 def finish(cfg: SweepConfig, root: Path, trials: list[dict], histories: dict, parent: dict, seconds: float) -> dict:
     """After the trials: results.md / results.json, the policy files, plots, and all of it on the sweep's MLflow
     run (and each training trial's tau history on its own) -> a summary (best trial, policy path)."""
@@ -183,19 +205,7 @@ def finish(cfg: SweepConfig, root: Path, trials: list[dict], histories: dict, pa
                   "objective": best["objective"], "speedup": {b: best["results"][b]["speedup"] for b in batches}}
         if cfg.kind == "decode":
             policy = export_policy(complete, cfg.objective, identity, source)
-            fixed = [t for t in complete if not decode_params(t["params"])["cost_model"]]
-            costed = [t for t in complete if decode_params(t["params"])["cost_model"]]
-            if fixed and costed:
-                lines += ["**Fixed threshold (S only) against the cost model**: the best trial of each at each batch "
-                          "size", "", "| batch | fixed threshold | cost model | wins |", "|---|---|---|---|"]
-                for b in batches:
-                    f, c = (max(ts, key=lambda t: t["results"][b]["speedup"]) for ts in (fixed, costed))
-                    fs, cs = f["results"][b]["speedup"], c["results"][b]["speedup"]
-                    lines.append(f"| {b} | {fs:.2f}x ({f['trial_id']}) | {cs:.2f}x ({c['trial_id']}) | "
-                                 f"{'fixed' if fs > cs else 'cost model'} |")
-                lines.append("")
-                save_policy(export_policy(fixed, cfg.objective, identity, {**source, "only": "fixed threshold"}),
-                            root / "policy-fixed.yaml")
+            lines += _fixed_against_cost_model(complete, cfg, identity, source, root)
         else:
             policy = dataclasses.replace(trial_policy({}), source={**source, "drafter": best["drafter"]}, **identity)
             lines += [f"Best drafter: `{best['drafter']}` (trial {best['trial_id']}), at the default decode settings.",

@@ -362,11 +362,10 @@ class Measurer:
         """What a policy measured here is for and where it was measured (`Policy` fields)."""
         import torch
 
-        from flexdraft.drafter.model import weights_fingerprint
         from flexdraft.core.tracking import hardware
 
         m = self.lm.model
-        return {"target": {"model": self.model, "fingerprint": weights_fingerprint(m)},
+        return {"target": {"model": self.model, "fingerprint": m.fingerprint},
                 "drafter": {"path": self.choice.source, "fingerprint": self.choice.fingerprint,
                             "block_size": self.choice.drafter.config.block_size, "k": self.choice.drafter.config.k},
                 "machine": {"device": m.device.type, "dtype": str(m.dtype).removeprefix("torch."),

@@ -7,7 +7,7 @@ export FLEXDRAFT_HOME=${FLEXDRAFT_HOME:-$HOME/.flexdraft} RAY_USAGE_STATS_ENABLE
 export PATH=$PWD/.venv/bin:$PATH
 OUT=${OUT:-/tmp/flexdraft-serve-measure}; mkdir -p $OUT
 THREADS=${THREADS:-0}
-python docs/results/2026-12-03-serve/two_apps.py $PWD $FLEXDRAFT_HOME $THREADS > $OUT/serve.yaml
+python benchmarks/2026-12-03-serve/two_apps.py $PWD $FLEXDRAFT_HOME $THREADS > $OUT/serve.yaml
 ray stop --force >/dev/null 2>&1
 ray start --head --num-cpus=2 --disable-usage-stats --metrics-export-port=8089 > $OUT/ray_start.log 2>&1
 t0=$(date +%s)
@@ -26,7 +26,7 @@ flexdraft loadtest --url http://127.0.0.1:8000 --baseline http://127.0.0.1:8000/
   --concurrency 1 4 --requests 16 --max-tokens 64 --stream --output $OUT/loadtest.json 2>&1 | grep -v "^\[loadtest\] results"
 flexdraft loadtest --url http://127.0.0.1:8000 --baseline http://127.0.0.1:8000/ar --dataset gsm8k \
   --concurrency 16 --requests 64 --max-tokens 64 --stream --output $OUT/loadtest16.json 2>&1 | grep -v "^\[loadtest\] results"
-for t in 1 2; do python docs/results/2026-12-03-serve/offline_vs_http.py --requests 16 --max-tokens 64 --threads $t 2>&1 | grep -v WARN; done
+for t in 1 2; do python benchmarks/2026-12-04-serve/offline_vs_http.py --requests 16 --max-tokens 64 --threads $t 2>&1 | grep -v WARN; done
 curl -s 127.0.0.1:8089/metrics | grep "^ray_flexdraft" | grep -v _bucket > $OUT/scrape.txt
 serve shutdown -y > /dev/null 2>&1; ray stop --force > /dev/null 2>&1
 flexdraft bench --config docs/results/2026-12-03-serve/bench.yaml --output-dir $OUT/bench > $OUT/bench.log 2>&1

@@ -1,5 +1,5 @@
 """A drafter as an MLflow model: a pyfunc whose artifact `drafter` is the drafter folder the engine loads (the
-only copy MLflow keeps) and whose code is `pyfunc_model.py` (MLflow's models-from-code: no pickled object).
+only copy MLflow keeps) and whose code is `pyfunc.py` (MLflow's models-from-code: no pickled object).
 
     mlflow.pyfunc.load_model("models:/flexdraft-drafter-smollm2@champion").predict(["What is 2 + 2?"])
 """
@@ -36,9 +36,9 @@ def log_drafter_model(folder: Path, params: dict, metrics: dict[str, float], tag
     they were measured on) -> the LoggedModel's id (register it with `mlflow.register_model`)."""
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # (one bar per file in the job log)
     signature = mlflow.models.infer_signature(["What is 2 + 2?"], ["2 + 2 = 4."], params={"max_new_tokens": 128})
-    with warnings.catch_warnings():  # no type hints (see pyfunc_model) and no input example: an example would make
+    with warnings.catch_warnings():  # no type hints (see pyfunc.py) and no input example: an example would make
         warnings.filterwarnings("ignore", message=".*(type hints|input example)")  # MLflow load the target to run it
-        info = mlflow.pyfunc.log_model(name="drafter", python_model=str(Path(__file__).with_name("pyfunc_model.py")),
+        info = mlflow.pyfunc.log_model(name="drafter", python_model=str(Path(__file__).with_name("pyfunc.py")),
                                        artifacts={ARTIFACT: str(folder)}, signature=signature,
                                        pip_requirements=requirements(), params={k: str(v) for k, v in params.items()},
                                        tags=tags, model_type="flexdraft-drafter")

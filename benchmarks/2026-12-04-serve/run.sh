@@ -7,7 +7,7 @@
 set -u
 cd "$(dirname "$0")/../../.."  # the repository root
 DRAFTER=$1 STORE=$2
-HERE=docs/results/2026-12-04-serve
+HERE=benchmarks/2026-12-04-serve
 export FLEXDRAFT_HOME=${FLEXDRAFT_HOME:-$HOME/.flexdraft} RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE=disabled TOKENIZERS_PARALLELISM=false
 export PATH=$PWD/.venv/bin:$PATH
 OUT=${OUT:-/tmp/flexdraft-serve-41}; mkdir -p $OUT

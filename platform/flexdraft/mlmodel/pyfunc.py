@@ -1,5 +1,5 @@
 """The code of a drafter's MLflow model (models-from-code: MLflow copies this file into the model and runs it to
-load it; `mlflow_model.log_drafter_model` logs it). `predict` answers chat prompts with the adaptive engine over
+load it; `log_model.log_drafter_model` logs it). `predict` answers chat prompts with the adaptive engine over
 the drafter's target: lossless, the target's own greedy answer.
 
 The target model is not part of the artifact: it is loaded by the name the drafter records (`base_model`:
@@ -22,7 +22,7 @@ class DrafterModel(mlflow.pyfunc.PythonModel):
         self.engine = self.lm = None
 
     # (no type hints: MLflow would take its signature from them, which cannot carry the `max_new_tokens` param;
-    # mlflow_model.log_drafter_model gives the signature)
+    # log_model.log_drafter_model gives the signature)
     def predict(self, context, model_input, params=None):
         from flexdraft.core.config import RuntimeConfig
         from flexdraft.core.data import chat_ids
