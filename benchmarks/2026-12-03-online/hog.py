@@ -8,7 +8,6 @@ Prints tokens/s per engine and phase, the speed-ups over AR, and each engine's s
     python benchmarks/2026-12-03-online/hog.py --drafter DRAFTER --batch 4 --steps 120
 """
 import argparse
-import os
 import subprocess
 import sys
 import time

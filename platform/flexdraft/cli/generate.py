@@ -6,6 +6,7 @@ import sys
 
 from flexdraft.cli.flags import add_engine_flags, add_runtime_flags, engine_config, runtime
 from flexdraft.core.errors import FlexDraftError
+from flexdraft.speculative.drafts import Mode
 
 def cmd_generate(args) -> None:
     from flexdraft.core.data import chat_ids, read_prompts_file, text_ids
@@ -54,7 +55,7 @@ def cmd_generate(args) -> None:
         if args.json:
             row = {"index": i, "token_ids": g.token_ids, "text": text, "seconds": round(g.seconds, 6),
                    "finish_reason": g.finish_reason, "prompt_tokens": g.prompt_len, "mode": cfg.mode}
-            if cfg.mode != "ar":
+            if cfg.mode != Mode.AR:
                 row.update(accepted_lengths=g.stats.accepted_lengths, tau=round(g.stats.tau, 4))
             print(json.dumps(row), flush=True)
         else:

@@ -94,7 +94,7 @@ def build(cfg: ServeConfig):
 
     ec = cfg.engine_config()
     drafter = drafter_spec(cfg)
-    if ec.mode == "adaptive" and not cfg.drafter and not cfg.policy:
+    if ec.mode == Mode.ADAPTIVE and not cfg.drafter and not cfg.policy:
         from flexdraft.drafter.recipe import default_drafter_dir
 
         if not (default_drafter_dir() / "drafter.json").is_file():

@@ -91,6 +91,34 @@ def _proxy_host() -> str | None:
         return None
 
 
+class Reader:
+    """One request's token stream read into text, for the JSON and the SSE response alike: `read` yields each
+    chunk with the text it completed, until the request finished or a stop sequence ended the text, and closes
+    the stream whatever happens (a client gone, a timeout: the engine frees the row)."""
+
+    def __init__(self, stream: AsyncIterator[Chunk], text: TextStream):
+        self.stream, self.text = stream, text
+        self.ids: list[int] = []
+        self.last = None  # the finished generation, once it came
+        self.t_first: float | None = None
+        self.done = False
+
+    async def read(self, timeout_s: float) -> AsyncIterator[tuple[Chunk, str]]:
+        try:
+            async with asyncio.timeout(timeout_s):
+                async for c in self.stream:
+                    self.t_first = self.t_first or time.perf_counter()
+                    self.ids += c.tokens
+                    delta = self.text.add(c.tokens, final=c.finished is not None)
+                    self.last = c.finished
+                    self.done = self.text.stopped or self.last is not None
+                    yield c, delta
+                    if self.done:
+                        return
+        finally:
+            await self.stream.aclose()
+
+
 @serve.deployment(ray_actor_options={"num_cpus": 2}, max_ongoing_requests=64)
 @serve.ingress(app)
 class FlexDraftServer:
@@ -245,34 +273,6 @@ class FlexDraftServer:
             yield sse(chunk(req, None) | {"usage": usage(req, len(reader.ids)), "flexdraft": speculation(reader.last)})
         self.metrics.request_done(t0, reader.t_first, len(reader.ids))
         yield "data: [DONE]\n\n"
-
-
-class Reader:
-    """One request's token stream read into text, for the JSON and the SSE response alike: `read` yields each
-    chunk with the text it completed, until the request finished or a stop sequence ended the text, and closes
-    the stream whatever happens (a client gone, a timeout: the engine frees the row)."""
-
-    def __init__(self, stream: AsyncIterator[Chunk], text: TextStream):
-        self.stream, self.text = stream, text
-        self.ids: list[int] = []
-        self.last = None  # the finished generation, once it came
-        self.t_first: float | None = None
-        self.done = False
-
-    async def read(self, timeout_s: float) -> AsyncIterator[tuple[Chunk, str]]:
-        try:
-            async with asyncio.timeout(timeout_s):
-                async for c in self.stream:
-                    self.t_first = self.t_first or time.perf_counter()
-                    self.ids += c.tokens
-                    delta = self.text.add(c.tokens, final=c.finished is not None)
-                    self.last = c.finished
-                    self.done = self.text.stopped or self.last is not None
-                    yield c, delta
-                    if self.done:
-                        return
-        finally:
-            await self.stream.aclose()
 
 
 def build_app(args: dict | None = None):

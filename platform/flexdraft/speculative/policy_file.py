@@ -19,9 +19,9 @@ import yaml
 
 from flexdraft.core.config import from_dict, read_yaml
 from flexdraft.core.errors import FlexDraftError
+from flexdraft.speculative.drafts import MODES, Mode
 
 FORMAT = "flexdraft-policy/1"
-BAND_MODES = ("adaptive", "ar", "sequential", "tree", "parallel", "lookup")
 # EngineConfig fields a policy sets (its bands' maxima, S, the cost model) or decides per band (top_m, rho)
 POLICY_KEYS = ("mode", "switch_batch", "cost_model", "block_size", "tree_nodes", "lookup", "top_m", "rho")
 
@@ -38,8 +38,8 @@ class Band:
     lookup: int = 4  # prompt-lookup drafts from n-grams of up to this size (0 = no lookup steps)
 
     def check(self, where: str, drafter_block: int) -> None:
-        if self.mode not in BAND_MODES:
-            raise FlexDraftError(f"{where}.mode must be one of {', '.join(BAND_MODES)}, got {self.mode!r}")
+        if self.mode not in MODES:
+            raise FlexDraftError(f"{where}.mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if not 0 <= self.block <= drafter_block:
             raise FlexDraftError(f"{where}.block={self.block}: B' must be between 0 (all) and the drafter's block "
                                  f"size B={drafter_block}")
@@ -47,9 +47,9 @@ class Band:
             raise FlexDraftError(f"{where}: top_m must be >= 0 and rho in (0, 1], got {self.top_m} and {self.rho}")
         if self.tree_nodes < 0 or self.lookup < 0:
             raise FlexDraftError(f"{where}: tree_nodes and lookup must be >= 0, got {self.tree_nodes} and {self.lookup}")
-        if self.mode == "tree" and not self.tree_nodes:
+        if self.mode == Mode.TREE and not self.tree_nodes:
             raise FlexDraftError(f"{where}: mode tree needs tree_nodes >= 1")
-        if self.mode == "lookup" and not self.lookup:
+        if self.mode == Mode.LOOKUP and not self.lookup:
             raise FlexDraftError(f"{where}: mode lookup needs lookup >= 1")
 
 

@@ -24,6 +24,7 @@ from flexdraft.core.config import RuntimeConfig, data_dir, load_yaml
 from flexdraft.engine.config import EngineConfig
 from flexdraft.core.errors import FlexDraftError
 from flexdraft.speculative.policy_file import Band, Policy
+from flexdraft.speculative.drafts import Mode
 
 log = logs.get("sweep")
 
@@ -289,9 +290,9 @@ def trial_points(cfg: SweepConfig, defaults: dict) -> list[dict]:
 def _effective(params: dict) -> str:
     """What a decode configuration does, as a key: the bands of its policy (and S where it matters)."""
     p = trial_policy(params)
-    if all(b.mode != "adaptive" for b in p.bands):
+    if all(b.mode != Mode.ADAPTIVE for b in p.bands):
         p.bands = [dataclasses.replace(b, tree_nodes=0, lookup=0) for b in p.bands]  # the fixed rule ignores them
-        if all(b.mode != "parallel" for b in p.bands):
+        if all(b.mode != Mode.PARALLEL for b in p.bands):
             p.bands = [dataclasses.replace(b, top_m=0, rho=1.0) for b in p.bands]
     return json.dumps([p.switch_batch, [asdict(b) for b in p.bands]])
 
