@@ -39,7 +39,7 @@ from flexdraft.engine.state import Request, RowState, draft_caps, speculating_sh
 from flexdraft.engine.stats import IDLE, PREFILL, Recovery, SpecDecodingStats, StepOutput, StepStats
 from flexdraft.models.transformer import Transformer
 from flexdraft.speculative.branches import AcceptanceModel, branch_anchors
-from flexdraft.speculative.drafts import Drafts, Mode, Plan, Verdict
+from flexdraft.speculative.drafts import Chains, Drafts, Mode, Plan, Verdict
 from flexdraft.speculative.lookup import NgramIndex, NgramStore
 from flexdraft.speculative.planner import LOOKUP_MARGIN, Planner
 from flexdraft.speculative.policy_file import Band, Policy
@@ -183,7 +183,6 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self.slots or self.waiting)
 
-
     # ---------------------------------------------------------------- the step
 
     @torch.inference_mode()
@@ -197,9 +196,10 @@ class Engine:
         n = len(self.slots)
         decoding = bool(n and not stats.admitted)
         if decoding:
-            reqs, dev = self.slots[:n], self.target.device
-            batch = SamplingBatch.of([r.params for r in reqs], [r.generator for r in reqs], dev)
-            caps = torch.tensor(draft_caps(reqs, self.B, self.config.online), dtype=torch.long, device=dev)
+            reqs = self.slots[:n]
+            batch = self._sampling(reqs)
+            caps = torch.tensor(draft_caps(reqs, self.B, self.config.online), dtype=torch.long,
+                                device=self.target.device)
             plan = self.plan(n, caps)
             stats.mode, stats.rows, stats.block = plan.mode.value, n, plan.block
             out = self.verify(plan, self.propose(plan, caps, batch), caps, batch)
@@ -273,24 +273,29 @@ class Engine:
             return self.weigh_model_free(n, band, rate_to_beat) or plan
         return plan
 
+    def _sampling(self, requests: list[Request]) -> SamplingBatch:
+        return SamplingBatch.of([r.params for r in requests], [r.generator for r in requests], self.target.device)
+
+    def _options(self, n: int, band: Band, first: list[int] | None) -> list[Chains]:
+        """Every model-free proposer's candidate drafts for rows 0..n-1 (see `ModelFreeProposer.options`)."""
+        return [o for p in self.model_free for o in p.options(self.slots[:n], band, first)]
+
+    def _lookup_plan(self, option: Chains, Bv: int) -> Plan:
+        n = len(option.kinds)
+        return Plan(Mode.LOOKUP, Bv, drafts=option.drafts(Bv, self.state.bonus[:n].tolist(), self.target.device))
+
     def model_free_plan(self, n: int, Bv: int) -> Plan | None:
         """A lookup step of Bv drafts per row over the first model-free drafts that match somewhere (None: none)."""
-        options = [o for p in self.model_free for o in p.options(self.slots[:n], self.band(n), None)]
-        if not options:
-            return None
-        return Plan(Mode.LOOKUP, Bv, drafts=options[0].drafts(Bv, self.state.bonus[:n].tolist(), self.target.device))
+        options = self._options(n, self.band(n), None)
+        return self._lookup_plan(options[0], Bv) if options else None
 
     def weigh_model_free(self, n: int, band: Band, rate_to_beat: float) -> Plan | None:
         """The model-free proposers' best step if it promises more than rate_to_beat tokens/s (`Planner.lookup`);
         it needs a match in every row that sets when the batch drains (`critical_rows`)."""
         critical = critical_rows(self.slots[:n], self.B, bool(self.waiting))
-        options = [o for p in self.model_free for o in p.options(self.slots[:n], band, critical)]
+        options = self._options(n, band, critical)
         best = self.planner.lookup(options, critical, rate_to_beat, band.block or self.B) if options else None
-        if best is None:
-            return None
-        plan, i = best
-        drafts = options[i].drafts(plan.block, self.state.bonus[:n].tolist(), self.target.device)
-        return dataclasses.replace(plan, drafts=drafts)
+        return self._lookup_plan(options[best[1]], best[0].block) if best else None
 
     def propose(self, plan: Plan, caps: torch.Tensor, batch: SamplingBatch) -> Drafts:
         """The drafts the plan verifies for rows 0..n-1 (n = len(caps))."""
@@ -321,8 +326,7 @@ class Engine:
         rows = torch.arange(n0, n0 + len(new), device=self.target.device)
         view = self.cache.rows(n0, n0 + len(new))
         h = self.timed("prefill", lambda: prefill(self.target, view, [r.prompt + r.tokens for r in new]))
-        batch = SamplingBatch.of([r.params for r in new], [r.generator for r in new], self.target.device)
-        first = batch.sample(self.target.logits(h))  # [k]
+        first = self._sampling(new).sample(self.target.logits(h))  # [k]
         self.state.bonus[rows] = first
         self.state.ndrafts[rows] = 0
         return {req.id: req.emit([tok], self.eos) for req, tok in zip(new, first.tolist())}

@@ -97,24 +97,19 @@ def top_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tens
     return (vals - lse).view(shape), ids.view(shape)
 
 
-GREEDY: "SamplingBatch"  # the batch of a step whose rows are all greedy (set below the class)
-
-
 def filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """[N, V] logits -> fp32 logits after the request's temperature, top-k and top-p (removed tokens at -inf).
 
     Speculative sampling must apply exactly this to both the target and the draft distributions."""
-    one = lambda x, dtype=torch.float32: torch.tensor([x], dtype=dtype, device=logits.device)  # noqa: E731
-    batch = SamplingBatch(one(0, torch.long), (None,), one(params.temperature), one(params.top_k, torch.long),
-                          one(params.top_p))
-    return batch.filtered(logits[None])[0]
+    return SamplingBatch.over([0], [params], [None], logits.device).filtered(logits[None])[0]
 
 
 def top_p_drop(logits: torch.Tensor, top_p: torch.Tensor | float, first: int = 256) -> torch.Tensor:
-    """[N, V] logits, top_p [N, 1] (or one for all) -> [N, V] bool: the tokens top-p removes. A token goes when the tokens ranked
-    above it already cover top_p of the probability (the first always stays). Where a row's `first` most probable
-    tokens hold top_p of its mass (a peaked distribution, the usual case) every token beyond them goes, so only
-    those are ranked; other rows sort the whole vocabulary (1.8 ms per row of 49k on a CPU core)."""
+    """[N, V] logits, top_p [N, 1] (or one for all) -> [N, V] bool: the tokens top-p removes. A token goes when
+    the tokens ranked above it already cover top_p of the probability (the first always stays). Where a row's
+    `first` most probable tokens hold top_p of its mass (a peaked distribution, the usual case) every token beyond
+    them goes, so only those are ranked; other rows sort the whole vocabulary (1.8 ms per row of 49k on a CPU
+    core)."""
     def cut(ranked: torch.Tensor, p: torch.Tensor) -> torch.Tensor:  # probabilities in descending order -> which go
         return ranked.cumsum(-1) - ranked >= p
 
@@ -163,10 +158,16 @@ class SamplingBatch:
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if not rows:  # every row greedy (the common step): nothing to build
             return GREEDY
-        return SamplingBatch(torch.tensor(rows, dtype=torch.long, device=device), tuple(generators[i] for i in rows),
-                             torch.tensor([params[i].temperature for i in rows], dtype=torch.float32, device=device),
-                             torch.tensor([params[i].top_k for i in rows], dtype=torch.long, device=device),
-                             torch.tensor([params[i].top_p for i in rows], dtype=torch.float32, device=device))
+        return SamplingBatch.over(rows, [params[i] for i in rows], [generators[i] for i in rows], device)
+
+    @staticmethod
+    def over(rows: list[int], params: list[SamplingParams], generators: list, device) -> "SamplingBatch":
+        """Rows `rows` sampling with params[i] and generators[i] (whatever their temperature)."""
+        tensor = lambda xs, dtype: torch.tensor(xs, dtype=dtype, device=device)  # noqa: E731
+        return SamplingBatch(tensor(rows, torch.long), tuple(generators),
+                             tensor([p.temperature for p in params], torch.float32),
+                             tensor([p.top_k for p in params], torch.long),
+                             tensor([p.top_p for p in params], torch.float32))
 
     @property
     def all_greedy(self) -> bool:
