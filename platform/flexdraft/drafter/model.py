@@ -98,7 +98,8 @@ class PairedAttention:
         self.target_attn, self.drafter_attn = target_attn, drafter_attn
         qkv = [m for a in (target_attn, drafter_attn) for m in (a.q_proj, a.k_proj, a.v_proj)]
         self.qkv_sizes = [m.out_features for m in qkv]
-        pack = target_attn.o_proj.packed is not None  # a prepacked target (its o is never fused: see Fused)
+        o = target_attn.o_proj  # a prepacked target's (its o is never fused: see Fused)
+        pack = o.one_row if o.packed is not None else None
         self.qkv = Linear.concat(qkv, pack)
         self.o = Linear.concat([target_attn.o_proj, drafter_attn.o_proj], pack)
 
@@ -206,12 +207,12 @@ class Drafter(nn.Module):
         """Ready for inference beside a target made ready by `Transformer.to_runtime`: its linear layers
         prepacked where the target's are, its projectors paired with the target's. Again after any change to
         its weights (the packed and paired copies do not follow)."""
-        pack = target.lm_head.packed is not None
+        head = target.lm_head
         for module in self.modules():
             if isinstance(module, Linear):
                 module.packed = None
-                if pack:
-                    module.pack()
+                if head.packed is not None:
+                    module.pack(head.one_row)
         self.pair_with(target)
         return self
 

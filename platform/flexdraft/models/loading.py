@@ -64,6 +64,7 @@ def convert_gguf(gguf: Path) -> Path:
     """Dequantise a GGUF file into a cached HF folder (fp32 safetensors + config + tokenizer); reuse it."""
     out = gguf_cache_folder(gguf)
     if (out / "config.json").is_file():
+        name_architecture(out / "config.json")
         return out
     try:
         from gguf import GGUFReader
@@ -85,6 +86,7 @@ def convert_gguf(gguf: Path) -> Path:
     save_file(state, tmp / "model.safetensors", metadata={"format": "pt", "source": gguf.name})
     cfg = hf.config.to_dict()
     cfg.pop("quantization_config", None)
+    cfg["architectures"] = [type(hf).__name__]  # what other stacks (vLLM) load the folder by
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
     tokenizer.save_pretrained(tmp)
     try:
@@ -94,6 +96,21 @@ def convert_gguf(gguf: Path) -> Path:
             raise
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def name_architecture(config: Path) -> None:
+    """Give a conversion's config.json the `architectures` entry it lacked before (vLLM needs it to load the
+    folder): the class `transformers` maps its model_type to."""
+    cfg = json.loads(config.read_text())
+    if cfg.get("architectures"):
+        return
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf_config = AutoConfig.for_model(**cfg)
+    cfg["architectures"] = [AutoModelForCausalLM._model_mapping[type(hf_config)].__name__]
+    tmp = config.with_name(f"config.json.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(cfg, indent=2))
+    tmp.replace(config)
 
 
 def resolve_source(source: str | Path) -> Path:

@@ -83,8 +83,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # normalise in fp32, as the reference implementation does, then scale in the model dtype
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        # normalised in fp32 and rounded once to the model dtype (rms_norm's reduced-precision kernels compute in
+        # fp32: bitwise the reference's x.float() ... .to(dtype), two copies fewer), then scaled in the model dtype
+        return self.weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
 
 
 def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
@@ -107,14 +108,11 @@ def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
     return inv_freq
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, H, T, D]; cos, sin [B, 1, T, D]."""
-    return x * cos + rotate_half(x) * sin
+    """x [B, H, T, D]; cos [B, 1, T, D]; sin [B, 1, T, D] with its first half negated (`Transformer.rope`) ->
+    the reference's x * cos + rotate_half(x) * sin, bitwise: rotate_half(x) = cat(-x2, x1) and
+    roll(x) * [-sin, sin] = cat(x2, x1) * [-sin, sin] differ only in where the sign flip happens (exact)."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
 def grouped_bias(mask: torch.Tensor, group: int) -> torch.Tensor:
@@ -136,8 +134,8 @@ def grouped_attention(q, k, v, bias):
     # (k @ q^T)^T, not q @ k^T: a cache slice is a plain row-major matrix per (row, head), while its
     # transpose makes the bf16 batched GEMM copy it first (0.17 ms against 0.29 ms per layer, batch 16)
     qt = q.reshape(B, Hkv, H // Hkv * T, D).transpose(-1, -2)
-    scores = (k @ qt).transpose(-1, -2) * D ** -0.5  # [B, Hkv, g*T, S]
-    probs = (scores.float() + bias).softmax(-1).to(q.dtype)
+    scores = (k @ qt).transpose(-1, -2)  # [B, Hkv, g*T, S]
+    probs = torch.add(bias, scores.float(), alpha=D ** -0.5).softmax(-1).to(q.dtype)  # scaled in fp32
     return (probs @ v).view(B, H, T, D)
 
 
@@ -174,34 +172,76 @@ def cpu_attention_kernel(args: ModelArgs, dtype: torch.dtype) -> str:
     return _KERNEL_CHOICE[key]
 
 
+ONE_ROW_PATHS = ("packed", "pair", "linear")
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, one_row: str) -> torch.Tensor:
+    """x [..., in] through a oneDNN-prepacked weight; a single row as `one_row` says (`one_row_path`)."""
+    if x.numel() == x.shape[-1] and one_row == "pair":  # two rows, then keep the first
+        x2 = x.reshape(1, -1)
+        y = torch.ops.mkldnn._linear_pointwise(torch.cat((x2, x2)), packed, bias, "none", [], "")
+        return y[:1].view(*x.shape[:-1], -1)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+_ONE_ROW_CHOICE: dict[tuple, str] = {}
+
+
+def one_row_path(dtype: torch.dtype) -> str:
+    """How a single row (batch-1 decode) runs fastest through a prepacked weight on this CPU in `dtype`: "packed"
+    (as it is), "pair" (as two rows, then keep the first) or "linear" (plain F.linear on the unpacked weight).
+    Timed once per process, dtype and thread count (best of 3 passes over 12 weights of a decoder's widest
+    shape, 42-85 MB, so that weights stream from memory as in a forward; ~0.2 s): which wins differs by CPU (a
+    one-row packed bf16 GEMM was pathologically slow on one AMX Xeon, while an AVX512-BF16 EPYC runs fp32 one-row
+    decode 1.5x faster packed than through F.linear)."""
+    key = (dtype, torch.get_num_threads())
+    if key not in _ONE_ROW_CHOICE:
+        gen = torch.Generator().manual_seed(0)
+        weights = [torch.randn(3072, 576, generator=gen).to(dtype) for _ in range(12)]
+        packs = [torch.ops.mkldnn._reorder_linear_weight(w, 16) for w in weights]
+        x = torch.randn(1, 576, generator=gen).to(dtype)
+        runs = {"packed": lambda: [packed_linear(x, p, None, "packed") for p in packs],
+                "pair": lambda: [packed_linear(x, p, None, "pair") for p in packs],
+                "linear": lambda: [F.linear(x, w) for w in weights]}
+        best = {}
+        with torch.inference_mode():
+            for name, fn in runs.items():
+                fn()
+                times = []
+                for _ in range(3):
+                    t = time.perf_counter()
+                    fn()
+                    times.append(time.perf_counter() - t)
+                best[name] = min(times)
+        _ONE_ROW_CHOICE[key] = min(best, key=best.get)
+    return _ONE_ROW_CHOICE[key]
+
+
 class Linear(nn.Linear):
     """nn.Linear that, for CPU inference, can run on a oneDNN-prepacked copy of its weight.
 
     Prepacking (what inductor's freezing does) makes decode-sized GEMMs 1.5-2x faster, results equal to
-    F.linear's up to summation order. A single row (batch-1 decode) is pathologically slow on the packed bf16
-    path, so it goes in as two rows in bf16 and through F.linear in fp32 (where padding does not pay). Only for
-    the dtypes the hardware probe says oneDNN can pack (`Transformer.to_runtime`).
+    F.linear's up to summation order. A single row (batch-1 decode) goes the way `one_row_path` measured fastest
+    on this CPU. Only for the dtypes the hardware probe says oneDNN can pack (`Transformer.to_runtime`).
     Inference only: no gradient reaches `weight` through the packed copy (training leaves `packed` None).
     """
 
     packed: torch.Tensor | None = None
+    one_row: str = "packed"  # a single row's path (ONE_ROW_PATHS)
 
-    def pack(self) -> None:
+    def pack(self, one_row: str = "packed") -> None:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 16)  # 16: expected rows (hint)
+        self.one_row = one_row
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        one_row = x.numel() == x.shape[-1]
-        if self.packed is None or (one_row and x.dtype == torch.float32):
+        if self.packed is None or (self.one_row == "linear" and x.numel() == x.shape[-1]):
             return F.linear(x, self.weight, self.bias)
-        if one_row:  # two rows, then keep the first
-            x2 = x.reshape(1, -1)
-            y = torch.ops.mkldnn._linear_pointwise(torch.cat((x2, x2)), self.packed, self.bias, "none", [], "")
-            return y[:1].view(*x.shape[:-1], -1)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return packed_linear(x, self.packed, self.bias, self.one_row)
 
     @staticmethod
-    def concat(linears: list["Linear"], pack: bool) -> "Linear":
-        """One Linear whose outputs are the given ones' side by side (same input width): a frozen copy."""
+    def concat(linears: list["Linear"], pack: str | None) -> "Linear":
+        """One Linear whose outputs are the given ones' side by side (same input width): a frozen copy, prepacked
+        unless pack is None (else: a single row's path, `one_row_path`)."""
         w = torch.cat([m.weight.detach() for m in linears])
         out = Linear(w.shape[1], w.shape[0], bias=linears[0].bias is not None).to(device=w.device, dtype=w.dtype)
         out.weight.data = w
@@ -210,8 +250,8 @@ class Linear(nn.Linear):
         # frozen: a copy's gradient reaches no original, and a trainable one makes autograd record (and pay for)
         # weight gradients of the target's fused projections in every block layer of attention tuning
         out.requires_grad_(False)
-        if pack:
-            out.pack()
+        if pack is not None:
+            out.pack(pack)
         return out
 
 
@@ -226,7 +266,7 @@ class Fused:
     Not an nn.Module, so not in any state_dict; `Transformer.to_runtime` builds it after the model's last move,
     and a later `.to()` would leave it stale."""
 
-    def __init__(self, linears: list[Linear], pack: bool):
+    def __init__(self, linears: list[Linear], pack: str | None):
         self.linear = Linear.concat(linears, pack)
         self.sizes = [m.out_features for m in linears]
         start = 0
@@ -258,6 +298,12 @@ class Attention(nn.Module):
 
     def project(self, x, cos, sin):
         """x [B, T, d] -> q [B, H, T, D], k and v [B, Hkv, T, D], with rope (and q/k norm) applied."""
+        if self.qkv is not None and self.q_norm is None:  # rope over q's and k's heads at once
+            B, T, _ = x.shape
+            H, Hkv = self.n_heads, self.n_kv_heads
+            heads = self.qkv.linear(x).view(B, T, H + 2 * Hkv, self.head_dim).transpose(1, 2)
+            qk = apply_rope(heads[:, : H + Hkv], cos, sin)
+            return qk[:, :H], qk[:, H:], heads[:, H + Hkv:]
         if self.qkv is not None:
             return self.heads(*self.qkv(x), cos, sin)
         return self.heads(self.q_proj(x), self.k_proj(x), self.v_proj(x), cos, sin)
@@ -359,12 +405,13 @@ class Transformer(nn.Module):
 
     def to_runtime(self, device, dtype, prepack: bool = False, attention: str = "auto") -> "Transformer":
         """Move to device/dtype for inference (the model is frozen from here on); prepack: oneDNN weight
-        prepacking on CPU where oneDNN can pack this dtype (see Linear; elsewhere plain F.linear); q/k/v and
+        prepacking on CPU where oneDNN can pack this dtype, a single row going the way `one_row_path` measures
+        fastest (see Linear; elsewhere plain F.linear); q/k/v and
         gate/up are fused (see Fused); attention: the kernel for bf16/fp16 on CPU, sdpa, math
         (`grouped_attention`) or auto (`cpu_attention_kernel`)."""
         self.to(device=device, dtype=dtype)
         on_cpu = torch.device(device).type == "cpu"
-        pack = prepack and on_cpu and probe().can_prepack(dtype)
+        pack = one_row_path(dtype) if prepack and on_cpu and probe().can_prepack(dtype) else None
         fused: set[Linear] = set()  # run only through their Fused: never packed themselves
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -374,8 +421,8 @@ class Transformer(nn.Module):
         for m in self.modules():
             if isinstance(m, Linear):
                 m.packed = None
-                if pack and m not in fused:
-                    m.pack()
+                if pack is not None and m not in fused:
+                    m.pack(pack)
         if on_cpu and dtype != torch.float32:
             kernel = cpu_attention_kernel(self.args, dtype) if attention == "auto" else attention
             self.math_attention = kernel == "math"
@@ -393,10 +440,13 @@ class Transformer(nn.Module):
         return KVCache(self.args, batch, max_len, self.dtype, self.device)
 
     def rope(self, pos: torch.Tensor, dtype: torch.dtype):
-        """cos, sin [B, 1, T, D] for positions [B, T] (computed in fp32, then cast)."""
+        """cos, sin [B, 1, T, D] for positions [B, T] (computed in fp32, then cast), sin with its first half
+        negated (what `apply_rope` takes)."""
         freqs = pos[..., None].float() * self.inv_freq  # [B, T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        sin = emb.sin()
+        sin[..., : freqs.shape[-1]].neg_()
+        return emb.cos().to(dtype), sin.to(dtype)
 
     def forward(self, tokens: torch.Tensor, pos: torch.Tensor, cache: KVCache,
                 mask: torch.Tensor | None = None, span: int | None = None,
