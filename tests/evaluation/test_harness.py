@@ -4,12 +4,15 @@ import json
 
 import mlflow
 import pytest
+from conftest import REPO
 
 from flexdraft.cli.main import main
 from flexdraft.core.data import BENCH_DATASETS, bench_prompts, check_datasets
 from flexdraft.core.errors import FlexDraftError
 from flexdraft.evaluation.harness import METHODS, HarnessConfig, run_harness
+from flexdraft.evaluation.peers import PEER_VENV, PEERS, WORKER
 
+OURS = [m for m in METHODS if m not in PEERS]  # every method that runs in this venv
 
 def test_registry_sizes_and_unavailable_sets():
     """GSM8K test 1,319, HumanEval 164, MT-Bench 80 x 2 turns, ShareGPT's 453 long documents; MATH and MBPP are
@@ -59,6 +62,7 @@ def test_long_documents_are_long_and_fit_a_row_with_room_to_answer(real_lm):
     ({"batch_sizes": [0, 4]}, "batch_sizes must be >= 1"),
     ({"samples": 0}, "samples must be >= 1"),
     ({"temperature": -0.5}, "temperature must be >= 0"),
+    ({"methods": ["ar", "vllm"], "peer_python": "/nonexistent/bin/python"}, "run `make peer-vllm`"),
 ])
 def test_bad_harness_config_names_the_problem(tmp_path, capsys, overrides, needle):
     import yaml
@@ -77,11 +81,11 @@ def test_harness_run_is_lossless_and_complete(tmp_path, mlflow_uri, tiny_smollm2
     cfg = HarnessConfig(model=str(tiny_smollm2), drafter="init", dtype="float32", threads=1,
                         datasets=["mt-bench", "math"], samples=2, batch_sizes=[1, 2], max_new_tokens=8,
                         answer_tokens=8, all_branches_max_batch=1, profile=True, output_dir=str(tmp_path / "out"),
-                        methods=list(METHODS))  # (opt-in methods too)
+                        methods=OURS)  # (opt-in methods too)
     results = run_harness(cfg)
     rows = results["rows"]
     assert {(r["dataset"], r["batch"], r["method"]) for r in rows} == {
-        ("mt-bench", b, m) for b in (1, 2) for m in METHODS}
+        ("mt-bench", b, m) for b in (1, 2) for m in OURS}
     ran = [r for r in rows if "skipped" not in r]
     skipped = {(r["method"], r["batch"]): r["skipped"] for r in rows if "skipped" in r}
     assert skipped.keys() == {("hf-prompt-lookup", 2), ("parallel", 2), ("parallel-uncalibrated", 2)}
@@ -120,9 +124,48 @@ def test_sampled_harness_run_reports_speed_without_comparing_rows(tmp_path, mlfl
                         methods=["ar", "hf-generate", "lookup", "adaptive"], profile=False,
                         output_dir=str(tmp_path / "out"))
     rows = run_harness(cfg)["rows"]
-    assert [r["skipped"] for r in rows if "skipped" in r] == ["the transformers methods run greedy only here"]
+    assert [r["skipped"] for r in rows if "skipped" in r] == [
+        "the transformers methods and the peers run greedy only here"]
     ran = [r for r in rows if "skipped" not in r]
     assert {r["method"] for r in ran} == {"ar", "lookup", "adaptive"}
     assert all(r["mismatched_rows"] is None and r["tokens"] > 0 for r in ran)
     md = (tmp_path / "out" / "results.md").read_text()
     assert "sampled (temperature 0.8, top-p 0.95)" in md and "n/a (sampled)" in md
+
+
+def test_peer_worker_imports_nothing_of_flexdraft():
+    """The vLLM worker runs in the peer venv, where flexdraft is not installed: it imports the standard library
+    and vLLM only."""
+    import ast
+
+    tree = ast.parse(WORKER.read_text())
+    modules = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    modules |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert modules == {"json", "os", "sys", "time", "vllm"}
+
+
+@pytest.mark.peers
+def test_vllm_peer_decodes_what_our_ar_decodes(tmp_path, mlflow_uri, real_folder):
+    """vLLM (its own venv, `make peer-vllm`) on the same tiny fp32 weights and prompt ids, greedy: its outputs
+    equal our AR's row for row at batch 1 and 2, every row has its ratio to the best peer, and the report names
+    the peer's version and flags. (Head dim 64, as SmolLM2's: vLLM's CPU attention takes no smaller.)"""
+    import shutil
+
+    from conftest import make_tiny_hf
+
+    if not (REPO / PEER_VENV / "bin" / "python").is_file():
+        pytest.skip("no peer venv: make peer-vllm")
+    model = tmp_path / "tiny"
+    make_tiny_hf("llama", model, vocab_size=49152, max_position_embeddings=512, hidden_size=128,
+                 num_attention_heads=2, num_key_value_heads=1)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(real_folder / name, model / name)
+    cfg = HarnessConfig(model=str(model), dtype="float32", threads=2, datasets=["gsm8k"], samples=2,
+                        batch_sizes=[1, 2], max_new_tokens=8, methods=["ar", "vllm"], profile=False,
+                        peer_python=str(REPO / PEER_VENV / "bin" / "python"), output_dir=str(tmp_path / "out"))
+    rows = run_harness(cfg)["rows"]
+    assert {(r["method"], r["batch"]) for r in rows} == {(m, b) for m in ("ar", "vllm") for b in (1, 2)}
+    for r in rows:
+        assert r["mismatched_rows"] == 0 and r["speedup_peer"] > 0 and r["tokens"] > 0, r
+    md = (tmp_path / "out" / "results.md").read_text()
+    assert "`vllm` (vLLM 0.32.0" in md and "over the best peer" in md

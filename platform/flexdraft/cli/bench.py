@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 from flexdraft.cli.flags import add_console_flags
 from flexdraft.core.errors import FlexDraftError
+from flexdraft.evaluation.peers import PEER_GROUPS
 
 FULL_BENCH_CONFIG = "configs/bench/full.yaml"
 
@@ -29,6 +31,9 @@ def cmd_bench(args) -> None:
         if getattr(args, key) is not None:
             setattr(cfg, key, getattr(args, key))
     cfg.params()  # an overridden temperature / top-p checked before any work
+    if args.peers:
+        added = [m for g in args.peers for m in PEER_GROUPS[g] if m not in cfg.methods]
+        cfg = HarnessConfig(**{**asdict(cfg), "methods": cfg.methods + added})  # checked again, peers' venv too
     run_harness(cfg)
 
 
@@ -85,6 +90,9 @@ def register(sub) -> None:
     b.add_argument("--output-dir", help="where results.md/json and plots go (default $FLEXDRAFT_HOME/bench/<time>)")
     b.add_argument("--temperature", type=float, help="sample at this temperature (default: the config's, greedy)")
     b.add_argument("--top-p", type=float, help="nucleus sampling with --temperature")
+    b.add_argument("--peers", nargs="+", choices=sorted(PEER_GROUPS), default=[],
+                   help="also run the stacks a user would run instead, on the same weights, prompts, dtype and cores: "
+                   "vllm = vLLM for CPU, plain and with n-gram speculation (its own venv: `make peer-vllm`)")
     add_console_flags(b)
     b.set_defaults(func=cmd_bench)
     lt = sub.add_parser("loadtest", help="concurrent OpenAI-API requests against a local endpoint: tok/s, latencies")

@@ -2,15 +2,16 @@
 in the same run, every FlexDraft output checked against our AR, results as Markdown, JSON, plots and MLflow.
 
 Methods (`METHODS`): our AR (the reference), `transformers` generate and prompt-lookup decoding on the same
-weights, and the engine's modes, three of which form the ablation (attention tuning only -> + calibration ->
-+ selective verification). The engine methods decode in lockstep, one step of each in turn (in a new random order
-each round), so this noisy machine's bursts hit all alike, and `ar-control`, our AR a second time,
-measures the noise that is left; the `transformers` methods run whole `generate` calls after them in every
+weights, the peers a user would run instead (vLLM for CPU, opt-in: `evaluation.peers`), and the engine's modes,
+three of which form the ablation (attention tuning only -> + calibration -> + selective verification). The engine
+methods decode in lockstep, one step of each in turn (in a new random order each round), so this noisy machine's bursts hit all alike, and `ar-control`, our AR a second time,
+measures the noise that is left; the `transformers` methods and the peers run whole cells after them in every
 repeat. Timing excludes model loading and includes prefill; every cell is warmed up first; a cell's time is the
 median over repeats.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import random
@@ -24,6 +25,7 @@ import torch
 from flexdraft.core import logs
 from flexdraft.evaluation.bench import hf_generate, load_hf, timed
 from flexdraft.evaluation.methods import METHODS, OPT_IN, Method, speculative
+from flexdraft.evaluation.peers import Peer, peer_python
 from flexdraft.evaluation.report import line, noise_floor, plot, report, summary
 from flexdraft.core.config import RuntimeConfig, data_dir, from_dict, load_yaml
 from flexdraft.core.data import BENCH_DATASETS, UNAVAILABLE_DATASETS, bench_prompts, check_datasets
@@ -74,6 +76,7 @@ class HarnessConfig:
     # make them ~10x slower than AR at batch 16 on this CPU, minutes per cell that tell nothing new
     all_branches_max_batch: int = 4
     profile: bool = True  # torch profile of 5 parallel-pruned steps at batch 1
+    peer_python: str = ""  # the vLLM peer's interpreter ("" = $FLEXDRAFT_VLLM_PYTHON, else ./.venv-vllm/bin/python)
     output_dir: str = ""  # "" = $FLEXDRAFT_HOME/bench/<UTC time>
     mlflow_experiment: str = "flexdraft-bench"
 
@@ -100,6 +103,8 @@ class HarnessConfig:
                                  "a policy file under `policies`")
         if "ar" not in self.methods:
             self.methods = ["ar", *self.methods]  # speed-ups and correctness are measured against it
+        if any(self.method(m).kind == "peer" for m in self.methods):
+            peer_python(self.peer_python)  # its venv named before any work
         check_datasets(self.datasets)
         if not any(d in BENCH_DATASETS for d in self.datasets):
             raise FlexDraftError(f"no available dataset among {self.datasets}: use some of {', '.join(BENCH_DATASETS)}")
@@ -128,7 +133,7 @@ def load_harness_config(path: str | Path) -> HarnessConfig:
 
 def skip_reason(method: str, batch: int, cfg: HarnessConfig) -> str | None:
     if cfg.method(method).kind != "engine" and cfg.temperature > 0:
-        return "the transformers methods run greedy only here"
+        return "the transformers methods and the peers run greedy only here"
     if method == "hf-prompt-lookup" and batch > 1:
         return "transformers prompt lookup runs at batch 1 only"  # "assisted generate is only supported for batch_size = 1"
     if method in ("parallel", "parallel-uncalibrated") and 0 < cfg.all_branches_max_batch < batch:
@@ -225,25 +230,29 @@ class HFRunner:
 
 
 def run_cell(engines: dict[str, Engine], hf: HFRunner | None, prompts: list[list[int]], batch: int,
-             cfg: HarnessConfig) -> list[dict]:
-    """Every method on the same prompts at one batch size -> one result row per method."""
+             cfg: HarnessConfig, peers: dict[str, Peer] | None = None, eos: list[int] = ()) -> list[dict]:
+    """Every method on the same prompts at one batch size -> one result row per method (with peers: each row's
+    tokens/s over the best peer's, `speedup_peer`)."""
     params = cfg.params()
-    hf_methods = {m: cfg.method(m).kind for m in cfg.methods
-                  if cfg.method(m).kind != "engine" and not skip_reason(m, batch, cfg)}
+    whole = {m: cfg.method(m).kind for m in cfg.methods  # methods that run whole cells, after the lockstep
+             if cfg.method(m).kind != "engine" and not skip_reason(m, batch, cfg)}
 
-    def hf_run(name, max_new):
-        return hf.run(prompts, batch, max_new, cfg.prompt_lookup_tokens if hf_methods[name] == "hf-lookup" else 0)
+    def run_whole(name, max_new):
+        if whole[name] == "peer":
+            return peers[name].run(prompts, batch, max_new, list(eos))
+        return hf.run(prompts, batch, max_new, cfg.prompt_lookup_tokens if whole[name] == "hf-lookup" else 0)
 
     lockstep(engines, prompts[:batch], cfg.params(8))  # warm-up
-    for name in hf_methods:
-        hf_run(name, 8)
+    for name in whole:
+        run_whole(name, 8)
     runs = []
     for _ in range(cfg.repeats):
         run = lockstep(engines, prompts, params)
-        run.update({name: hf_run(name, cfg.max_new_tokens) for name in hf_methods})
+        run.update({name: run_whole(name, cfg.max_new_tokens) for name in whole})
         runs.append(run)
     median = {name: statistics.median(r[name]["seconds"] for r in runs) for name in runs[0]}
     tok_s = {name: sum(len(o) for o in runs[-1][name]["outputs"]) / median[name] for name in median}
+    best_peer = max((tok_s[m] for m, kind in whole.items() if kind == "peer"), default=None)
     reference = runs[0]["ar"]["outputs"]
     rows = []
     for name in cfg.methods:
@@ -254,10 +263,13 @@ def run_cell(engines: dict[str, Engine], hf: HFRunner | None, prompts: list[list
         row = {"method": name, "batch": batch, "prompts": len(prompts), "tokens": sum(len(o) for o in last["outputs"]),
                "seconds": median[name], "tok_s": tok_s[name], "speedup_ar": tok_s[name] / tok_s["ar"],
                "speedup_hf": tok_s[name] / tok_s["hf-generate"] if "hf-generate" in tok_s else None,
+               "speedup_peer": tok_s[name] / best_peer if best_peer else None,
                "tau": last["tau"],
                # rows whose output differs from our AR's in any repeat (greedy only)
                "mismatched_rows": None if cfg.temperature > 0 else
                sum(any(r[name]["outputs"][i] != ref for r in runs) for i, ref in enumerate(reference))}
+        if last.get("acceptance_length") is not None:  # a speculating peer's own measure (not tau: no AR steps)
+            row["acceptance_length"] = last["acceptance_length"]
         if cfg.method(name).kind == "engine":
             steps = sum(last["modes"].values())
             split = {k: v / last["seconds"] for k, v in last["forward"].items()}
@@ -322,6 +334,22 @@ def _write_results(results: dict, out: Path, profile: str, run_id: str, version)
     mlflow.log_artifacts(str(out))
 
 
+def start_peers(lm, cfg: HarnessConfig, max_len: int, stack: contextlib.ExitStack) -> dict[str, Peer]:
+    """The config's peer methods, each loaded once in its worker on the same weights folder, dtype and threads
+    (a cold vLLM start compiles for minutes; its log goes to stderr), each closed when `stack` closes."""
+    names = [m for m in cfg.methods if cfg.method(m).kind == "peer"]
+    if not names:
+        return {}
+    python, threads = peer_python(cfg.peer_python), torch.get_num_threads()
+    dtype = str(lm.model.dtype).removeprefix("torch.")
+    peers = {}
+    for name in names:
+        log.info(f"starting the {name} peer ({python}, {dtype}, {threads} thread(s)): minutes when cold")
+        peers[name] = stack.enter_context(Peer(name, python, lm.folder, dtype, threads, max_len,
+                                               max(cfg.batch_sizes)))
+    return peers
+
+
 def _datasets(cfg: HarnessConfig) -> tuple[list[str], dict[str, str]]:
     """-> (the config's datasets that ship, {name: why} of those that do not: not run, nothing substituted)."""
     datasets = check_datasets(cfg.datasets)
@@ -343,7 +371,7 @@ def run_harness(cfg: HarnessConfig) -> dict:
     lm = load_model(cfg.model, runtime)
     choice = resolve_drafter(cfg.drafter or None, lm.model, required=any(map(speculative, cfg.methods)))
     store, store_source = resolve_store(cfg.store or None, cfg.model, lm.model.args.vocab_size)
-    hf = HFRunner.of(lm, runtime) if any(cfg.method(m).kind != "engine" for m in cfg.methods) else None
+    hf = HFRunner.of(lm, runtime) if any(cfg.method(m).kind.startswith("hf") for m in cfg.methods) else None
     datasets, unavailable = _datasets(cfg)
     log.info(f"{cfg.model} {str(lm.model.dtype).removeprefix('torch.')} (dtype {cfg.dtype}) on {lm.model.device}, {torch.get_num_threads()} thread(s); drafter "
         f"{choice.source or 'none'}; n-gram store {store_source or 'none'}; {len(datasets)} dataset(s) x batch "
@@ -359,7 +387,9 @@ def run_harness(cfg: HarnessConfig) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     rows, cells = [], len(cfg.batch_sizes) * len(datasets)
     name = f"bench-{'-'.join(cfg.datasets)}-b{','.join(map(str, cfg.batch_sizes))}"
-    with start_run(cfg.mlflow_experiment, {**asdict(cfg), "drafter_source": choice.source}, run_name=name) as run:
+    with contextlib.ExitStack() as stack, \
+            start_run(cfg.mlflow_experiment, {**asdict(cfg), "drafter_source": choice.source}, run_name=name) as run:
+        peers = start_peers(lm, cfg, max_len, stack)
         mlflow.set_tags({f"flexdraft.{k}": v for k, v in provenance(choice).items()})
         t_cells = time.perf_counter()
         for bi, batch in enumerate(cfg.batch_sizes):
@@ -368,14 +398,14 @@ def run_harness(cfg: HarnessConfig) -> dict:
                 cell, k = prompts[d][:max(cfg.samples, batch)], bi * len(datasets) + di
                 log.info(f"{k + 1}/{cells}: {d}, batch {batch}, {len(cell)} prompts, "
                          f"<= {cfg.max_new_tokens} new tokens each{_eta(time.perf_counter() - t_cells, k, cells)}")
-                for row in run_cell(engines, hf, cell, batch, cfg):
+                for row in run_cell(engines, hf, cell, batch, cfg, peers, list(lm.eos_token_ids)):
                     row["dataset"] = d
                     rows.append(row)
                     log.info("    " + line(row))
                     if "skipped" not in row:
                         tag = f"{d}.{row['method']}.b{batch}"
-                        mlflow.log_metrics({f"{k}.{tag}": row[k] for k in ("tok_s", "speedup_ar", "tau",
-                                                                           "mismatched_rows") if row[k] is not None})
+                        keys = ("tok_s", "speedup_ar", "speedup_peer", "tau", "mismatched_rows")
+                        mlflow.log_metrics({f"{k}.{tag}": row[k] for k in keys if row[k] is not None})
         profile = step_profile(_engine(lm, choice, None, cfg, "parallel-pruned", 1, max_len), prompts[datasets[0]][0]) \
             if cfg.profile and "parallel-pruned" in cfg.methods else ""
         m = lm.model
@@ -384,7 +414,9 @@ def run_harness(cfg: HarnessConfig) -> dict:
                    "attention": "math" if m.math_attention else "sdpa", "dtype": str(m.dtype).removeprefix("torch."),
                    "prepacked": m.lm_head.packed is not None, "drafter": choice.source, "drafter_eval": choice.prior,
                    "store": store_source, "unavailable": unavailable, "seconds": time.perf_counter() - t_start,
-                   "output_dir": str(out), "summary": summary(rows), "noise_floor": noise_floor(rows), "rows": rows}
+                   "peers": {n: {"vllm": p.info["vllm"], "flags": p.flags} for n, p in peers.items()},
+                   "output_dir": str(out), "summary": summary(rows), "vs_peer": summary(rows, "speedup_peer"),
+                   "noise_floor": noise_floor(rows), "rows": rows}
         _write_results(results, out, profile, run.info.run_id, choice.version)
         if results["noise_floor"]:
             log.info(f"{results['noise_floor']}")

@@ -3,10 +3,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from flexdraft.evaluation.peers import PEERS
+
 
 @dataclass(frozen=True)
 class Method:
-    kind: str  # engine | hf | hf-lookup
+    kind: str  # engine | hf | hf-lookup | peer
     engine: tuple = ()  # EngineConfig overrides, (key, value) pairs
     about: str = ""
     store: bool = True  # lookup steps also draft from the n-gram store (when there is one)
@@ -41,7 +43,9 @@ METHODS = {
                        "the product: AR / sequential / tree / parallel / lookup (prompt + store) per step by cost"),
 }
 
-OPT_IN = ("adaptive-static",)  # named in a config's methods to run; not in the default benchmark
+METHODS.update({name: Method("peer", about=spec.about) for name, spec in PEERS.items()})
+
+OPT_IN = ("adaptive-static", *PEERS)  # named in a config's methods to run; not in the default benchmark
 
 
 def speculative(method: str) -> bool:

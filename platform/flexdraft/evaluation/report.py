@@ -2,6 +2,7 @@
 and plots (`flexdraft bench` writes them beside results.json)."""
 from __future__ import annotations
 
+import json
 import statistics
 from pathlib import Path
 
@@ -10,12 +11,13 @@ from flexdraft.evaluation.bench import markdown
 from flexdraft.evaluation.methods import METHODS, speculative
 
 
-def summary(rows: list[dict]) -> dict[str, dict[int, float]]:
-    """method -> batch -> speed-up over our AR, mean over the datasets (the paper's 'mean')."""
+def summary(rows: list[dict], key: str = "speedup_ar") -> dict[str, dict[int, float]]:
+    """method -> batch -> speed-up over our AR (key: or over the best peer, `speedup_peer`), mean over the
+    datasets (the paper's 'mean')."""
     acc: dict[str, dict[int, list[float]]] = {}
     for r in rows:
-        if "skipped" not in r:
-            acc.setdefault(r["method"], {}).setdefault(r["batch"], []).append(r["speedup_ar"])
+        if "skipped" not in r and r.get(key) is not None:
+            acc.setdefault(r["method"], {}).setdefault(r["batch"], []).append(r[key])
     return {m: {b: statistics.mean(v) for b, v in per.items()} for m, per in acc.items()}
 
 
@@ -37,10 +39,16 @@ def line(r: dict) -> str:
     if "skipped" in r:
         return f"{r['method']:>22}: skipped ({r['skipped']})"
     hf = f", x{r['speedup_hf']:.2f} over transformers" if r.get("speedup_hf") else ""
+    hf += f", x{r['speedup_peer']:.2f} over the best peer" if r.get("speedup_peer") else ""
     extra = f", steps {_modes(r)}" if speculative(r["method"]) else ""
+    extra += f", mean acceptance length {r['acceptance_length']:.2f}" if r.get("acceptance_length") else ""
     extra += f", pruned misses {r['pruned_misses']:.0%}" if "parallel" in r.get("mode_share", {}) else ""
-    return (f"{r['method']:>22}: {r['tok_s']:7.1f} tok/s, x{r['speedup_ar']:.2f} over AR{hf}, tau {r['tau']:.2f}, "
+    return (f"{r['method']:>22}: {r['tok_s']:7.1f} tok/s, x{r['speedup_ar']:.2f} over AR{hf}, tau {_tau(r)}, "
             f"mismatched rows {_mismatched(r)}{extra}")
+
+
+def _tau(r: dict) -> str:
+    return "n/a" if r.get("tau") is None else f"{r['tau']:.2f}"
 
 
 def _mismatched(r: dict) -> str:
@@ -54,11 +62,13 @@ def save_figure(fig, path: Path) -> Path:
     return path
 
 
-def summary_table(results: dict) -> str:
+def summary_table(results: dict, key: str = "summary") -> str:
+    """The mean speed-ups over our AR (key "vs_peer": over the best peer's tokens/s in each cell)."""
     batches = results["config"]["batch_sizes"]
-    return markdown("**Speed-up over our AR, mean over the datasets**", ["method"] + [f"batch {b}" for b in batches],
+    title = "over the best peer (the fastest of the peers' modes in each cell)" if key == "vs_peer" else "over our AR"
+    return markdown(f"**Speed-up {title}, mean over the datasets**", ["method"] + [f"batch {b}" for b in batches],
                     [[m] + [f"{per[b]:.2f}x" if b in per else "n/a" for b in batches]
-                     for m, per in results["summary"].items()])
+                     for m, per in results[key].items()])
 
 
 def report(results: dict) -> str:
@@ -87,7 +97,12 @@ def report(results: dict) -> str:
     if results["unavailable"]:
         lines.append("* Not run, nothing substituted: " + "; ".join(f"{d} ({why})" for d, why in
                                                                     results["unavailable"].items()) + ".")
+    if results.get("peers"):
+        lines.append("* Peers: " + "; ".join(f"`{n}` (vLLM {p['vllm']}, `{json.dumps(p['flags'])}`)"
+                                             for n, p in results["peers"].items()) + ".")
     lines += ["", summary_table(results), ""]
+    if results.get("vs_peer"):
+        lines += [summary_table(results, "vs_peer"), ""]
     if results["noise_floor"]:
         lines += [results["noise_floor"], ""]
     cells = []
@@ -96,12 +111,14 @@ def report(results: dict) -> str:
             continue
         acc = " ".join(f"{a:.2f}" for a in (r.get("acceptance") or [])[:4] if a is not None)
         cells.append([r["dataset"], r["batch"], r["method"], f"{r['tok_s']:.1f}", f"{r['speedup_ar']:.2f}x",
-                      f"{r['speedup_hf']:.2f}x" if r.get("speedup_hf") else "n/a", f"{r['tau']:.2f}",
+                      f"{r['speedup_hf']:.2f}x" if r.get("speedup_hf") else "n/a",
+                      f"{r['speedup_peer']:.2f}x" if r.get("speedup_peer") else "n/a", _tau(r),
                       _mismatched(r), acc, _modes(r) if speculative(r["method"]) else "",
                       f"{r['pruned_misses']:.0%}" if "parallel" in r.get("mode_share", {}) else ""])
     lines.append(markdown("**Per dataset and batch size** (acceptance: P(draft j accepted | drafts before it accepted), "
                           "j = 1..4; steps: share of engine steps per mode)",
-                          ["dataset", "batch", "method", "tok/s", "x our AR", "x transformers", "tau", "mismatched rows",
+                          ["dataset", "batch", "method", "tok/s", "x our AR", "x transformers", "x best peer", "tau",
+                           "mismatched rows",
                            "acceptance", "steps", "pruned misses"], cells))
     return "\n".join(lines) + "\n"
 
