@@ -139,3 +139,43 @@ def test_fused_projections_keep_the_state_and_share_its_memory(tmp_path, prepack
     with torch.inference_mode():
         torch.testing.assert_close(incremental_logits(model, seqs, 5), incremental_logits(never_fused, seqs, 5),
                                    atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch,name", [("llama", "LlamaForCausalLM"), ("qwen2", "Qwen2ForCausalLM"),
+                                       ("qwen3", "Qwen3ForCausalLM")])
+def test_a_conversion_without_architectures_gets_its_class_named(tmp_path, arch, name):
+    """A converted folder's config.json names its `architectures` (what vLLM loads a folder by); one converted
+    before that is given the name on its next use, and a named one is left as it is."""
+    import json
+
+    from flexdraft.models.config import tiny_hf_config
+    from flexdraft.models.loading import name_architecture
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**tiny_hf_config(arch), "architectures": None}))
+    name_architecture(config)
+    assert json.loads(config.read_text())["architectures"] == [name]
+    config.write_text(json.dumps({**tiny_hf_config(arch), "architectures": ["Custom"]}))
+    name_architecture(config)
+    assert json.loads(config.read_text())["architectures"] == ["Custom"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_one_row_path_computes_the_linear(dtype):
+    """Whichever way `one_row_path` picks on a CPU (packed as is, as two rows, or F.linear), a single row's output
+    is F.linear's up to summation order, and so are several rows' (always through the packed GEMM)."""
+    from flexdraft.core.hardware import probe
+    from flexdraft.models.transformer import ONE_ROW_PATHS, Linear, one_row_path
+
+    if not probe().can_prepack(dtype):
+        pytest.skip(f"oneDNN cannot prepack {dtype} here")
+    assert one_row_path(dtype) in ONE_ROW_PATHS
+    torch.manual_seed(0)
+    linear = Linear(64, 96, bias=True).to(dtype).requires_grad_(False)
+    for x in (torch.randn(1, 1, 64).to(dtype), torch.randn(3, 2, 64).to(dtype)):
+        want = torch.nn.functional.linear(x.float(), linear.weight.float(), linear.bias.float())
+        for path in ONE_ROW_PATHS:
+            linear.pack(path)
+            got = linear(x)
+            assert got.shape == want.shape and got.dtype == dtype
+            torch.testing.assert_close(got.float(), want, rtol=2e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-2)

@@ -104,10 +104,9 @@ def name_architecture(config: Path) -> None:
     cfg = json.loads(config.read_text())
     if cfg.get("architectures"):
         return
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    hf_config = AutoConfig.for_model(**cfg)
-    cfg["architectures"] = [AutoModelForCausalLM._model_mapping[type(hf_config)].__name__]
+    cfg["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[cfg["model_type"]]]
     tmp = config.with_name(f"config.json.tmp-{os.getpid()}")
     tmp.write_text(json.dumps(cfg, indent=2))
     tmp.replace(config)
