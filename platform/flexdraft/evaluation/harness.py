@@ -4,8 +4,8 @@ in the same run, every FlexDraft output checked against our AR, results as Markd
 Methods (`METHODS`): our AR (the reference), `transformers` generate and prompt-lookup decoding on the same
 weights, the peers a user would run instead (vLLM for CPU, opt-in: `evaluation.peers`), and the engine's modes,
 three of which form the ablation (attention tuning only -> + calibration -> + selective verification). The engine
-methods decode in lockstep, one step of each in turn (in a new random order each round), so this noisy machine's bursts hit all alike, and `ar-control`, our AR a second time,
-measures the noise that is left; the `transformers` methods and the peers run whole cells after them in every
+methods decode in lockstep, one step of each in turn (in a new random order each round), so this noisy machine's
+bursts hit all alike, and `ar-control`, our AR a second time, measures the noise that is left; the `transformers` methods and the peers run whole cells after them in every
 repeat. Timing excludes model loading and includes prefill; every cell is warmed up first; a cell's time is the
 median over repeats.
 """

@@ -86,8 +86,8 @@ def convert_gguf(gguf: Path) -> Path:
     save_file(state, tmp / "model.safetensors", metadata={"format": "pt", "source": gguf.name})
     cfg = hf.config.to_dict()
     cfg.pop("quantization_config", None)
-    cfg["architectures"] = [type(hf).__name__]  # what other stacks (vLLM) load the folder by
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+    name_architecture(tmp / "config.json")
     tokenizer.save_pretrained(tmp)
     try:
         tmp.rename(out)
@@ -99,8 +99,9 @@ def convert_gguf(gguf: Path) -> Path:
 
 
 def name_architecture(config: Path) -> None:
-    """Give a conversion's config.json the `architectures` entry it lacked before (vLLM needs it to load the
-    folder): the class `transformers` maps its model_type to."""
+    """Give a conversion's config.json its `architectures` entry (what other stacks, vLLM among them, load a folder
+    by; transformers' GGUF path leaves it empty, and conversions made before this have none): the causal-LM class
+    `transformers` maps its model_type to."""
     cfg = json.loads(config.read_text())
     if cfg.get("architectures"):
         return

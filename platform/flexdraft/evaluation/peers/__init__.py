@@ -54,22 +54,22 @@ class Peer:
                   "max_num_seqs": max_num_seqs}
         self.proc = subprocess.Popen([str(python), str(WORKER), json.dumps(config)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=sys.stderr, text=True)
-        self.info = self._answer("ready")
+        self.info = self._answer()["ready"]
         self.flags = {k: config[k] for k in ("dtype", "max_model_len", "max_num_seqs", "speculative")}
 
-    def _answer(self, key: str) -> dict:
+    def _answer(self) -> dict:
         line = self.proc.stdout.readline()
         if not line:
             code = self.proc.wait()
             raise FlexDraftError(f"the {self.name} peer exited (code {code}) before answering: its log is above")
-        return json.loads(line)[key] if key else json.loads(line)
+        return json.loads(line)
 
     def run(self, prompts: list[list[int]], batch: int, max_new_tokens: int, stop_token_ids: list[int]) -> dict:
         """-> {"outputs": [[ids]], "seconds": wall seconds of prefill + decoding of all prompts}."""
         req = {"prompts": prompts, "batch": batch, "max_new_tokens": max_new_tokens, "stop_token_ids": stop_token_ids}
         self.proc.stdin.write(json.dumps(req) + "\n")
         self.proc.stdin.flush()
-        return self._answer("")
+        return self._answer()
 
     def __enter__(self) -> "Peer":
         return self

@@ -1,7 +1,8 @@
 """A vLLM offline engine serving the harness over stdin/stdout: run by the peer venv's Python, not ours (vLLM pins
 other builds of transformers), so this file imports nothing of flexdraft.
 
-    <peer venv>/bin/python vllm_worker.py '{"model": DIR, "dtype": "bfloat16", "speculative": null, ...}'
+    <peer venv>/bin/python vllm_worker.py '{"model": DIR, "dtype": "bfloat16", "speculative": null, "cpus": "0-1",
+                                            "max_model_len": 1024, "max_num_seqs": 16}'
 
 It loads `vllm.LLM` once, prints {"ready": {...}} and then answers one JSON line per request line:
 {"prompts": [[ids]], "batch": b, "max_new_tokens": n, "stop_token_ids": [...]} ->
@@ -23,8 +24,8 @@ def spec_counts(llm) -> tuple[float, float]:
 
 def main() -> None:
     spec = json.loads(sys.argv[1])
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.get("kv_cache_gib", 2)))
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", spec.get("cpus", "0-1"))
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB: 16 rows of 1,024 tokens need far less
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", spec["cpus"])
     # the engine core in this process: nothing else polls the cores between the harness's requests
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     import vllm
@@ -33,11 +34,10 @@ def main() -> None:
 
     out = sys.stdout
     sys.stdout = sys.stderr  # vLLM's own prints must not mix with the protocol
-    llm = LLM(model=spec["model"], dtype=spec["dtype"], max_model_len=spec.get("max_model_len", 1024),
-              max_num_seqs=spec.get("max_num_seqs", 16), speculative_config=spec.get("speculative"),
-              seed=0, enforce_eager=spec.get("enforce_eager", False), disable_log_stats=False)
-    print(json.dumps({"ready": {"vllm": vllm.__version__, "speculative": spec.get("speculative")}}), file=out,
-          flush=True)
+    llm = LLM(model=spec["model"], dtype=spec["dtype"], max_model_len=spec["max_model_len"],
+              max_num_seqs=spec["max_num_seqs"], speculative_config=spec["speculative"], seed=0,
+              disable_log_stats=False)  # (the stats hold the speculative counters)
+    print(json.dumps({"ready": {"vllm": vllm.__version__}}), file=out, flush=True)
     spent = spec_counts(llm)
     for line in sys.stdin:
         req = json.loads(line)
