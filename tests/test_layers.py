@@ -30,3 +30,18 @@ def test_an_upward_import_breaks_the_contract(tmp_path):
     result = lint(tmp_path)
     assert result.returncode == 1
     assert "flexdraft.core is not allowed to import flexdraft.engine" in result.stdout
+
+
+RUFF = str(Path(sys.executable).parent / "ruff")
+
+
+def test_ruff_finds_nothing_and_would_find_an_unused_name(tmp_path):
+    """`ruff check` (pyproject's [tool.ruff]) passes on the whole repository, and the same configuration reports a
+    file with an unused import and an undefined name (the check is not vacuous)."""
+    result = subprocess.run([RUFF, "check", "--no-cache", "."], cwd=REPO, text=True, capture_output=True, timeout=120)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-1000:]
+    bad = tmp_path / "bad.py"
+    bad.write_text("import os\n\n\ndef f():\n    return undefined_name\n")
+    result = subprocess.run([RUFF, "check", "--no-cache", "--config", str(REPO / "pyproject.toml"), str(bad)],
+                            text=True, capture_output=True, timeout=120)
+    assert result.returncode == 1 and "F401" in result.stdout and "F821" in result.stdout

@@ -5,15 +5,20 @@ host time (step less its forwards), tok/s.
 
     DRAFTER=... DT=float32 FORCE=1 python benchmarks/2026-12-03-online/arpair.py 8
 """
-import os, sys, time, statistics as st, torch
+import os
+import statistics as st
+import sys
+import time
+
+import torch
+
 from flexdraft.core.config import RuntimeConfig
 from flexdraft.core.data import chat_ids
 from flexdraft.engine.config import EngineConfig
 from flexdraft.engine.runner import load_engine
+from flexdraft.evaluation.loadtest import prompts_of
 from flexdraft.speculative.drafts import Mode, Plan
 from flexdraft.speculative.sampling import SamplingParams
-from flexdraft.evaluation.loadtest import prompts_of
-
 
 if __name__ == "__main__":
     torch.set_num_threads(int(os.environ.get("TH", 2)))

@@ -22,7 +22,6 @@ from flexdraft.evaluation.loadtest import prompts_of
 from flexdraft.models.loading import load_model
 from flexdraft.speculative.sampling import SamplingParams
 
-
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--drafter", required=True)

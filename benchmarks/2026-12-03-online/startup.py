@@ -12,7 +12,6 @@ from flexdraft.engine.config import EngineConfig
 from flexdraft.engine.runner import build_engine, profile_file, resolve_drafter
 from flexdraft.models.loading import load_model
 
-
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--drafter", required=True)

@@ -1,7 +1,9 @@
 """Two apps of serve/config.yaml for the side-by-side loadtest: adaptive at /, the same with mode ar at /ar.
    python two_apps.py REPO FLEXDRAFT_HOME THREADS > serve.yaml"""
-import copy, sys, yaml
+import copy
+import sys
 
+import yaml
 
 if __name__ == "__main__":
     repo, home, threads = sys.argv[1], sys.argv[2], int(sys.argv[3])

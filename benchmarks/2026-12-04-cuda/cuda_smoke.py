@@ -20,7 +20,6 @@ from flexdraft.models.config import tiny_hf_config
 from flexdraft.models.loading import load_model
 from flexdraft.speculative.sampling import SamplingParams
 
-
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("--device", default="cuda")

@@ -7,7 +7,6 @@ import sys
 
 import yaml
 
-
 if __name__ == "__main__":
     repo, home, drafter, store, *only = sys.argv[1:]
     cfg = yaml.safe_load(open(f"{repo}/serve/config.yaml"))

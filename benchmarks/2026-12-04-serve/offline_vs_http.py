@@ -16,7 +16,6 @@ from flexdraft.engine.runner import load_engine
 from flexdraft.evaluation.loadtest import prompts_of, rounds, send_level, summarize
 from flexdraft.speculative.sampling import SamplingParams
 
-
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("--url", default="http://127.0.0.1:8000")

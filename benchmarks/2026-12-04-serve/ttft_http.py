@@ -1,10 +1,14 @@
 """Served TTFT at concurrency 1: the adaptive app at /, the same app with speculation off per request, the AR app at
 /ar (the demo's two apps: `serve deploy $FLEXDRAFT_HOME/demo/serve.yaml`), one request at a time, rotating.
     python ttft_http.py [N_PROMPTS]"""
-import json, statistics, time, sys
-import httpx
-from flexdraft.core.data import gsm8k_questions
+import json
+import statistics
+import sys
+import time
 
+import httpx
+
+from flexdraft.core.data import gsm8k_questions
 
 if __name__ == "__main__":
     URL = "http://127.0.0.1:8000"

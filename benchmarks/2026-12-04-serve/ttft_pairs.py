@@ -1,10 +1,13 @@
 """TTFT of a request sent right after another to the same app vs after one to the other app (the demo's two apps:
 `serve deploy $FLEXDRAFT_HOME/demo/serve.yaml`, adaptive at /, AR at /ar).
     python ttft_pairs.py"""
-import json, statistics, time
-import httpx
-from flexdraft.core.data import gsm8k_questions
+import json
+import statistics
+import time
 
+import httpx
+
+from flexdraft.core.data import gsm8k_questions
 
 if __name__ == "__main__":
     URL = "http://127.0.0.1:8000"

@@ -1,14 +1,18 @@
 """How much a busy sibling core slows the engine: a 1-thread AR engine on core 0 decodes GSM8K prompts while
 `duty.py` keeps core 1 busy 0%, 20% or 50% of the time (alternating orders); the median step per load.
     FLEXDRAFT_HOME=... python corunner.py"""
-import time, statistics, subprocess, sys, os
+import os
+import statistics
+import subprocess
+import sys
+import time
+
 from flexdraft.core.config import RuntimeConfig
 from flexdraft.core.data import chat_ids
 from flexdraft.engine.config import EngineConfig
 from flexdraft.engine.runner import load_engine
 from flexdraft.evaluation.loadtest import prompts_of
 from flexdraft.speculative.sampling import SamplingParams
-
 
 if __name__ == "__main__":
     os.sched_setaffinity(0, {0})

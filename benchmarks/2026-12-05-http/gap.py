@@ -7,16 +7,19 @@ tok/s end to end, TTFT p50 and the decode time per token after the first (TPOT p
     FLEXDRAFT_HOME=... python gap.py --url http://127.0.0.1:8000/ar --mode ar --requests 16
     FLEXDRAFT_HOME=... python gap.py --url http://127.0.0.1:8000 --mode adaptive --drafter D --store S
 """
-import argparse, asyncio, statistics, time
+import argparse
+import asyncio
+import statistics
+import time
+
 from flexdraft.core.config import RuntimeConfig
 from flexdraft.core.data import chat_ids
 from flexdraft.engine.config import EngineConfig
 from flexdraft.engine.runner import load_engine
 from flexdraft.evaluation.loadtest import prompts_of, send_level
-from flexdraft.speculative.sampling import SamplingParams
 from flexdraft.serving.async_engine import AsyncEngine
 from flexdraft.serving.openai_api import Request, TextStream, chunk, sse
-
+from flexdraft.speculative.sampling import SamplingParams
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser()

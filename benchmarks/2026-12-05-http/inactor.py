@@ -1,12 +1,16 @@
 """The offline engine loop (AR, 1 thread) in this driver vs in a Ray actor of 1 CPU, as a Serve replica runs,
 alternating rounds of 3 GSM8K prompts; the median step of each. Needs a running Ray head.
     FLEXDRAFT_HOME=... python inactor.py"""
-import os, time, statistics, ray
+import os
+import statistics
+import time
 
+import ray
 
 if __name__ == "__main__":
     def bench(texts):
         import torch
+
         from flexdraft.core.config import RuntimeConfig
         from flexdraft.core.data import chat_ids
         from flexdraft.engine.config import EngineConfig

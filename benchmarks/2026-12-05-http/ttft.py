@@ -12,7 +12,6 @@ import httpx
 
 from flexdraft.core.data import gsm8k_questions
 
-
 if __name__ == "__main__":
     URL = "http://127.0.0.1:8000"
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 24

@@ -6,8 +6,8 @@ import pytest
 from conftest import write_jsonl
 from flexdraft.cli.main import main
 from flexdraft.core.data import chat_ids, text_ids
-from flexdraft.speculative.sampling import SamplingParams
 from flexdraft.engine.ar import generate
+from flexdraft.speculative.sampling import SamplingParams
 
 
 @pytest.mark.real_model

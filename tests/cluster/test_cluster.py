@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import ENV, RAY, REPO, recorded_pipeline
 
+from conftest import ENV, RAY, REPO, recorded_pipeline
 from flexdraft.cluster import local as cluster
 from flexdraft.core.config import from_dict
 from flexdraft.drafter.recipe import PipelineConfig
@@ -204,8 +204,9 @@ def test_training_job_spans_both_nodes_logs_to_the_server_and_resumes_after_a_no
 def test_sweep_trials_run_on_both_nodes(local_cluster, tiny_smollm2, tmp_path):
     """A 2-trial decode sweep submitted as a Ray job, trials of 1 CPU, 2 at a time: one trial on each node, each
     trial's MLflow run (on the server) naming its node."""
-    from conftest import write_jsonl
     from mlflow.tracking import MlflowClient
+
+    from conftest import write_jsonl
 
     path, cfg = local_cluster
     _cli("up", path=path)

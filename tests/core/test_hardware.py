@@ -14,12 +14,12 @@ from conftest import make_tiny_hf
 from flexdraft.core import hardware
 from flexdraft.core.config import RuntimeConfig
 from flexdraft.drafter.model import Drafter, DrafterConfig
-from flexdraft.engine.engine import Engine
-from flexdraft.engine.config import EngineConfig
-from flexdraft.speculative.sampling import SamplingParams
 from flexdraft.engine.ar import generate
+from flexdraft.engine.config import EngineConfig
+from flexdraft.engine.engine import Engine
 from flexdraft.models.loading import load_model
 from flexdraft.models.transformer import Linear
+from flexdraft.speculative.sampling import SamplingParams
 
 # what an AVX2-only x86-64 CPU (e.g. an AMD EPYC of family 23) gives oneDNN and ATen, on any x86-64 CPU
 AVX2_ONLY = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}

@@ -7,20 +7,20 @@ import torch
 
 from conftest import REPO
 from flexdraft.core.config import RuntimeConfig, from_dict
-from flexdraft.core.hardware import probe
 from flexdraft.core.errors import FlexDraftError
+from flexdraft.core.hardware import probe
 
 
 def test_run_records_config_commit_and_hardware(mlflow_uri):
     """A run holds its flattened config, the commit and the hardware; its experiment is of the kind MLflow's UI
     opens on runs and metrics (not GenAI traces), and keeps its artifacts beside the SQLite store the user named
     (not in MLflow's default ./mlruns of whatever folder the process runs in)."""
+    import os
+    import subprocess
+
     import mlflow
 
     from flexdraft.core.tracking import start_run
-
-    import os
-    import subprocess
 
     with start_run("unit-test", {"model": "tiny", "runtime": {"threads": 1}}) as run:
         pass
@@ -73,8 +73,8 @@ def test_config_from_dict_nested_and_strict():
     and unknown keys or wrong types name the key."""
     cfg = from_dict(Outer, {"name": "y", "inner": {"lr": 1, "layers": [1, 2]}})
     assert cfg.inner.lr == 1 and isinstance(cfg.inner.lr, float) and cfg.inner.layers == [1, 2]
-    from flexdraft.training.common import run_key
     from flexdraft.drafter.recipe import PipelineConfig, load_pipeline_config
+    from flexdraft.training.common import run_key
 
     shipped = load_pipeline_config(REPO / "configs" / "smollm2.yaml")
     for stage in ("attention", "calibration"):
@@ -106,9 +106,9 @@ def test_every_shipped_config_loads(real_folder):
     the sweeps', the Serve config's user_config and the local cluster's."""
     import json
 
+    from flexdraft.drafter.recipe import PipelineConfig, load_pipeline_config
     from flexdraft.evaluation.harness import HarnessConfig, load_harness_config
     from flexdraft.models.config import ModelArgs
-    from flexdraft.drafter.recipe import PipelineConfig, load_pipeline_config
 
     args = ModelArgs.from_hf_config(json.loads((real_folder / "config.json").read_text()))
     from flexdraft.cluster.local import load_cluster_config

@@ -7,13 +7,22 @@ import torch
 
 from conftest import make_tiny_hf
 from flexdraft.core.config import RuntimeConfig
-from flexdraft.drafter.model import Drafter, DrafterConfig, load_drafter, save_drafter
 from flexdraft.core.errors import FlexDraftError
+from flexdraft.drafter.model import Drafter, DrafterConfig, load_drafter, save_drafter
+from flexdraft.engine.ar import generate
 from flexdraft.models.loading import load_model
 from flexdraft.speculative.sampling import SamplingParams
-from flexdraft.engine.ar import generate
-from flexdraft.training.drafter_training import (Sequences, agreement_counts, block_targets, draft_hidden, gather_positions,
-                               sample_anchors, target_pass, training_step, tree_accepted)
+from flexdraft.training.drafter_training import (
+    Sequences,
+    agreement_counts,
+    block_targets,
+    draft_hidden,
+    gather_positions,
+    sample_anchors,
+    target_pass,
+    training_step,
+    tree_accepted,
+)
 
 CPU32 = RuntimeConfig(device="cpu", dtype="float32", threads=1, cpu_prepack=False)
 

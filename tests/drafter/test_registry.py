@@ -16,7 +16,6 @@ import zlib
 from pathlib import Path
 
 import pytest
-import torch
 
 from conftest import ENV, make_tiny_hf, recorded_pipeline
 from flexdraft.cli.main import main
@@ -192,8 +191,8 @@ def test_promoting_another_version_switches_what_the_alias_loads_and_its_policy_
 
     from flexdraft.cli.serve import pin_drafter
     from flexdraft.drafter.registry import attach_policy, lookup, resolve
-    from flexdraft.serving.config import ServeConfig, drafter_spec
     from flexdraft.models.loading import load_model
+    from flexdraft.serving.config import ServeConfig, drafter_spec
     from flexdraft.speculative.policy_file import Band, Policy, save_policy
     from flexdraft.training.register import register_drafter
 

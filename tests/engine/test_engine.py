@@ -10,18 +10,17 @@ import torch
 from conftest import make_tiny_hf, ragged_prompts
 from engine_fixtures import CPU32, OracleProposer, ReferenceProposer, drafters, tiny  # noqa: F401 (fixtures)
 from flexdraft.core.config import RuntimeConfig
-from flexdraft.drafter.model import Drafter, DrafterConfig, read_drafter_meta, load_drafter
-from flexdraft.drafter.model import parallel_forward
-from flexdraft.engine.engine import Engine
-from flexdraft.engine.config import EngineConfig
 from flexdraft.core.errors import FlexDraftError
-from flexdraft.speculative.sampling import SamplingParams, filtered_logits
-from flexdraft.engine.ar import generate, prefill
-from flexdraft.speculative.lookup import NgramIndex, NgramStore
-from flexdraft.models.loading import load_model
+from flexdraft.drafter.model import Drafter, DrafterConfig, load_drafter, parallel_forward, read_drafter_meta
 from flexdraft.drafter.recipe import default_drafter_dir
+from flexdraft.engine.ar import generate, prefill
+from flexdraft.engine.config import EngineConfig
+from flexdraft.engine.engine import Engine
+from flexdraft.models.loading import load_model
 from flexdraft.speculative.branches import CostModel, monotone
 from flexdraft.speculative.drafts import Chains, DraftKind, Mode, Plan
+from flexdraft.speculative.lookup import NgramIndex, NgramStore
+from flexdraft.speculative.sampling import SamplingParams, filtered_logits
 from flexdraft.speculative.trees import chain_trie
 
 EOS = 2

@@ -5,9 +5,16 @@ import torch
 from conftest import make_tiny_hf
 from flexdraft.core.config import RuntimeConfig
 from flexdraft.core.errors import FlexDraftError
-from flexdraft.speculative.sampling import SamplingParams, argmax_tokens, draw, filtered_logits, top_logprobs, top_p_drop
 from flexdraft.engine.ar import generate, length_groups
 from flexdraft.models.loading import load_model
+from flexdraft.speculative.sampling import (
+    SamplingParams,
+    argmax_tokens,
+    draw,
+    filtered_logits,
+    top_logprobs,
+    top_p_drop,
+)
 
 GREEDY64 = SamplingParams(max_new_tokens=64)
 

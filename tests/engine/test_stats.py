@@ -1,6 +1,6 @@
 """Step statistics as vLLM counts them (`SpecDecodingStats`)."""
-from flexdraft.speculative.drafts import Mode
 from flexdraft.engine.stats import IDLE, PREFILL, SpecDecodingStats, StepStats
+from flexdraft.speculative.drafts import Mode
 
 
 def test_counts_follow_vllm_definitions_and_deltas_give_the_counts_between_snapshots():

@@ -10,8 +10,8 @@ def test_pipeline_deadline_leaves_the_rest_its_time_and_the_stage_what_is_left()
     evaluation and calibration's, as long as its first; calibration's start-up, as long as its own; calibration's
     budget; 5% of the pipeline's budget), more than its own 12 min on a fast machine, less on a slow one (the
     pipeline's budget wins), and never under a minute."""
-    from flexdraft.training.budget import MIN_BUDGET_S, deadline_budget
     from flexdraft.drafter.recipe import PipelineConfig
+    from flexdraft.training.budget import MIN_BUDGET_S, deadline_budget
 
     cfg = PipelineConfig()  # 30 min in all; attention 12 on its own, calibration 3
     # the stage launched at t = 100 s, evaluated for 30 s, its steps start at t = 160 s: start-up 30 s
@@ -29,8 +29,8 @@ def test_a_pace_that_drifts_moves_the_step_count_and_the_schedule_follows_withou
     drops to what the rest of the budget fits, the learning rate goes on from the rate it had reached and is at
     its floor (10%) on the new last step. A pace within 3% of the plan changes nothing, a faster one adds steps
     up to the config's most, and a plan restored from a checkpoint's state gives the same schedule."""
-    from flexdraft.training.budget import StepPlan, lr_lambda
     from flexdraft.drafter.recipe import TrainConfig
+    from flexdraft.training.budget import StepPlan, lr_lambda
 
     tc = TrainConfig(steps=1500, time_budget_min=15, warmup_steps=10)
     plan = StepPlan(tc)
@@ -63,8 +63,8 @@ def test_the_step_clock_fixes_the_count_from_the_slowest_worker_and_holds_it_whe
     (reduce_max takes the slowest and the smallest): the count is fixed at step 10 for 14 min at 2.2 s/step; when
     the steps then take 3 s, the count moves down within a step of the hold starting, and the steps stay within
     the budget (3% tolerance)."""
-    from flexdraft.training.budget import StepClock, StepPlan
     from flexdraft.drafter.recipe import TrainConfig
+    from flexdraft.training.budget import StepClock, StepPlan
 
     t = [0.0]
     plan = StepPlan(TrainConfig(steps=1500, time_budget_min=15))

@@ -1,8 +1,8 @@
 """Self-distillation prompts: real ShareGPT first turns, filtered, deduplicated, never evaluation text."""
 from flexdraft.core.config import from_dict
 from flexdraft.core.data import EvalOverlap, gsm8k_questions, humaneval_prompts, mtbench_questions, sharegpt_first_turns
-from flexdraft.training.distill import select_prompts, shards
 from flexdraft.drafter.recipe import PipelineConfig
+from flexdraft.training.distill import select_prompts, shards
 
 
 def test_sharegpt_truncated_file_is_read_to_its_last_complete_conversation():

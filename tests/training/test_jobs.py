@@ -262,8 +262,8 @@ def test_bad_input_fails_before_any_work(tiny_pipeline, tmp_path, change, msg):
 
 def test_calibration_refuses_a_drafter_for_other_weights(tiny_pipeline, tmp_path):
     from flexdraft.drafter.model import Drafter, DrafterConfig, save_drafter
-    from flexdraft.training.trainer import preflight
     from flexdraft.models.loading import load_model
+    from flexdraft.training.trainer import preflight
 
     _, raw, _ = tiny_pipeline
     make_tiny_hf("llama", tmp_path / "other", seed=1)

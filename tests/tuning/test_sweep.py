@@ -15,14 +15,14 @@ import yaml
 from conftest import ENV, REPO, make_tiny_hf, recorded_pipeline, write_jsonl
 from flexdraft.cli.main import main
 from flexdraft.core.config import RuntimeConfig, from_dict
-from flexdraft.drafter.model import Drafter, DrafterConfig
-from flexdraft.engine.engine import Engine
-from flexdraft.engine.config import EngineConfig
 from flexdraft.core.errors import FlexDraftError
-from flexdraft.speculative.sampling import SamplingParams
+from flexdraft.drafter.model import Drafter, DrafterConfig
 from flexdraft.engine.ar import generate
+from flexdraft.engine.config import EngineConfig
+from flexdraft.engine.engine import Engine
 from flexdraft.models.loading import load_model
 from flexdraft.speculative.policy_file import Band, Policy, load_policy, save_policy
+from flexdraft.speculative.sampling import SamplingParams
 from flexdraft.tuning.sweep import Objective, SweepConfig, export_policy, prepare
 
 SWEEP = [sys.executable, str(REPO / "tuning" / "sweep.py")]

@@ -6,6 +6,7 @@ import sys
 
 from flexdraft.cli.flags import add_console_flags
 
+
 def cmd_cluster(args) -> None:
     """A multi-node Ray cluster and an MLflow server on this machine (infra/local/cluster.yaml)."""
     from flexdraft.cluster import local as cluster

@@ -24,11 +24,11 @@ import yaml
 
 from flexdraft.core.config import data_dir, load_yaml, read_yaml
 from flexdraft.core.errors import FlexDraftError
+from flexdraft.core.tracking import experiment_links, tracking_uri, ui_command
+from flexdraft.drafter.recipe import PipelineConfig, load_pipeline_config
 from flexdraft.evaluation.drafter_report import write_report
 from flexdraft.evaluation.harness import HarnessConfig, run_harness
 from flexdraft.evaluation.report import summary_table
-from flexdraft.drafter.recipe import PipelineConfig, load_pipeline_config
-from flexdraft.core.tracking import experiment_links, tracking_uri, ui_command
 
 DEMO_PIPELINE = "configs/demo.yaml"  # (the packaged copies from anywhere: `config.config_path`)
 DEMO_BENCH = "configs/bench/demo.yaml"

@@ -6,8 +6,8 @@ from flexdraft.cli.flags import add_console_flags
 
 def cmd_demo(args) -> None:
     from flexdraft.cli.demo import run_demo
-    from flexdraft.evaluation.harness import load_harness_config
     from flexdraft.drafter.recipe import load_pipeline_config
+    from flexdraft.evaluation.harness import load_harness_config
 
     run_demo(load_pipeline_config(args.config) if args.config else None,
              load_harness_config(args.bench_config) if args.bench_config else None)

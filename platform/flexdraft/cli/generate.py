@@ -8,11 +8,12 @@ from flexdraft.cli.flags import add_engine_flags, add_runtime_flags, engine_conf
 from flexdraft.core.errors import FlexDraftError
 from flexdraft.speculative.drafts import Mode
 
+
 def cmd_generate(args) -> None:
     from flexdraft.core.data import chat_ids, read_prompts_file, text_ids
-    from flexdraft.speculative.sampling import SamplingParams
     from flexdraft.engine.ar import check_prompts
     from flexdraft.engine.runner import load_engine
+    from flexdraft.speculative.sampling import SamplingParams
 
     if (args.prompt is None) == (args.prompts_file is None):
         raise FlexDraftError("give exactly one of --prompt TEXT or --prompts-file F.jsonl")

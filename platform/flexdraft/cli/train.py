@@ -5,10 +5,11 @@ import sys
 
 from flexdraft.cli.flags import add_console_flags
 
+
 def cmd_job(args) -> None:
     """The Ray jobs of jobs/*.py, on a local Ray instance or the cluster in RAY_ADDRESS."""
-    from flexdraft.training.jobs import run_stage
     from flexdraft.drafter.recipe import load_pipeline_config
+    from flexdraft.training.jobs import run_stage
 
     run_stage(load_pipeline_config(args.config), args.stage)
 

@@ -6,9 +6,9 @@ import importlib.util
 import json
 import random
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from flexdraft.core.errors import FlexDraftError
 

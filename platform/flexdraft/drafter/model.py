@@ -122,7 +122,7 @@ class PairedAttention:
         own, tuned = self.o(y.transpose(1, 2).reshape(R, N, H * D)).chunk(2, dim=-1)
         return torch.where(clean[..., None], own, tuned)
 
-    def at(self, clean: torch.Tensor) -> "CleanSlots":
+    def at(self, clean: torch.Tensor) -> CleanSlots:
         """These projections for one pass whose clean slots are `clean` [R, N] (what `DecoderLayer` takes)."""
         return CleanSlots(lambda x, cos, sin: self.project(x, cos, sin, clean), lambda y: self.output(y, clean))
 
@@ -135,7 +135,7 @@ class CleanSlots:
         self.project, self.output = project, output
 
     @staticmethod
-    def unpaired(target_attn: Attention, drafter_attn: Attention, clean: tuple) -> "CleanSlots":
+    def unpaired(target_attn: Attention, drafter_attn: Attention, clean: tuple) -> CleanSlots:
         """Training's path (no paired copies): the drafter's projections for every slot, then the clean slots'
         (clean = (mask [R, N], rows, slots)) recomputed with the target's and written over them."""
         _, r, n = clean
@@ -172,7 +172,7 @@ class Drafter(nn.Module):
         self.paired: list[PairedAttention] | None = None  # inference: see pair_with (a plain list: not saved)
 
     @classmethod
-    def from_target(cls, target: Transformer, config: DrafterConfig) -> "Drafter":
+    def from_target(cls, target: Transformer, config: DrafterConfig) -> Drafter:
         """A fresh drafter: projectors copied from the target's, mask embedding = mean input embedding, the
         calibration MLP seeded (a function of the target and config alone)."""
         drafter = cls(target.args, config).to(device=target.device, dtype=target.dtype)
@@ -203,7 +203,7 @@ class Drafter(nn.Module):
         self.paired = [PairedAttention(target.layers[self.first_tuned + i].self_attn, attn)
                        for i, attn in enumerate(self.attn)]
 
-    def to_runtime(self, target: Transformer) -> "Drafter":
+    def to_runtime(self, target: Transformer) -> Drafter:
         """Ready for inference beside a target made ready by `Transformer.to_runtime`: its linear layers
         prepacked where the target's are, its projectors paired with the target's. Again after any change to
         its weights (the packed and paired copies do not follow)."""

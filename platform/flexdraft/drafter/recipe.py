@@ -8,9 +8,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from flexdraft.core.config import data_dir, load_yaml
-from flexdraft.drafter.model import DrafterConfig
 from flexdraft.core.errors import FlexDraftError
 from flexdraft.core.hardware import probe
+from flexdraft.drafter.model import DrafterConfig
 
 
 @dataclass

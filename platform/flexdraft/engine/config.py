@@ -7,8 +7,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from flexdraft.drafter.model import Drafter
 from flexdraft.core.errors import FlexDraftError
+from flexdraft.drafter.model import Drafter
 from flexdraft.speculative.drafts import MODES, NO_DRAFTER, Mode
 
 if TYPE_CHECKING:
@@ -69,7 +69,7 @@ class EngineConfig:
             raise FlexDraftError(f"max_len={self.max_len} must be between 2 and the model's context of {context}")
 
 
-def resolve(cfg: EngineConfig, drafter: Drafter | None, context: int, policy: "Policy | None" = None,
+def resolve(cfg: EngineConfig, drafter: Drafter | None, context: int, policy: Policy | None = None,
             mode_given: bool = True) -> EngineConfig:
     """The config an engine runs with, built once from what was asked (the caller's value is left as it was):
     without an explicit mode (mode_given False), adaptive when there is a drafter, else AR; a policy's settings

@@ -25,14 +25,14 @@ import dataclasses
 import itertools
 import time
 from collections import deque
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
 from flexdraft.core.errors import ContextTooLong, FlexDraftError
 from flexdraft.drafter.model import Drafter, parallel_forward
-from flexdraft.engine.ar import prefill
 from flexdraft.engine import profiling
+from flexdraft.engine.ar import prefill
 from flexdraft.engine.config import EngineConfig, resolve
 from flexdraft.engine.proposers import DrafterProposer, LookupProposer, ModelFreeProposer, critical_rows
 from flexdraft.engine.state import Request, RowState, draft_caps, speculating_share

@@ -12,18 +12,17 @@ import torch
 
 from flexdraft.core import logs
 from flexdraft.core.config import RuntimeConfig, data_dir
+from flexdraft.core.errors import FlexDraftError
 from flexdraft.drafter import registry
 from flexdraft.drafter.model import Drafter, DrafterConfig, load_drafter, read_drafter_meta
-from flexdraft.engine.engine import Engine
-from flexdraft.engine.config import EngineConfig, resolve
-from flexdraft.core.errors import FlexDraftError
-from flexdraft.speculative.drafts import NO_DRAFTER, Mode
-from flexdraft.speculative.lookup import NgramStore
-from flexdraft.models.loading import LoadedModel, load_model
 from flexdraft.drafter.recipe import PipelineConfig, default_drafter_dir
 from flexdraft.drafter.registry import Version
+from flexdraft.engine.config import EngineConfig, resolve
+from flexdraft.engine.engine import Engine
+from flexdraft.models.loading import LoadedModel, load_model
+from flexdraft.speculative.drafts import NO_DRAFTER, Mode
+from flexdraft.speculative.lookup import NgramStore
 from flexdraft.speculative.policy_file import Policy, load_policy
-
 
 PROFILE_FORMAT = 16  # bump when Engine.profile measures other shapes or passes, or forwards get faster: cached profiles are redone
 

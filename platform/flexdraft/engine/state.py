@@ -105,7 +105,7 @@ class RowState:
     q: torch.Tensor | None = None  # [R, B, V] fp32 draft distributions, allocated for the first sampled request
 
     @staticmethod
-    def empty(rows: int, block: int, tree_width: int, device) -> "RowState":
+    def empty(rows: int, block: int, tree_width: int, device) -> RowState:
         zeros = lambda *shape, dtype=torch.long: torch.zeros(*shape, dtype=dtype, device=device)
         return RowState(bonus=zeros(rows), drafts=zeros(rows, block), conf=zeros(rows, block, dtype=torch.float32),
                         ndrafts=zeros(rows), from_branch=zeros(rows, dtype=torch.bool),

@@ -72,7 +72,7 @@ class SpecDecodingStats:
     steps_by_mode: dict[Mode, int] = field(default_factory=dict)
 
     @staticmethod
-    def of_step(step: StepStats) -> "SpecDecodingStats":
+    def of_step(step: StepStats) -> SpecDecodingStats:
         s = SpecDecodingStats(num_steps=1, num_rows=step.rows, num_tokens=step.tokens)
         if step.mode not in NOT_DECODING:
             s.steps_by_mode = {Mode(step.mode): 1}
@@ -85,7 +85,7 @@ class SpecDecodingStats:
     def observe(self, step: StepStats) -> None:
         self.add(SpecDecodingStats.of_step(step))
 
-    def add(self, other: "SpecDecodingStats") -> None:
+    def add(self, other: SpecDecodingStats) -> None:
         for name in COUNTS:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         pos = self.num_accepted_tokens_per_pos
@@ -95,7 +95,7 @@ class SpecDecodingStats:
         for mode, n in other.steps_by_mode.items():
             self.steps_by_mode[mode] = self.steps_by_mode.get(mode, 0) + n
 
-    def delta(self, earlier: "SpecDecodingStats") -> "SpecDecodingStats":
+    def delta(self, earlier: SpecDecodingStats) -> SpecDecodingStats:
         d = copy.deepcopy(self)
         for name in COUNTS:
             setattr(d, name, getattr(self, name) - getattr(earlier, name))
@@ -105,7 +105,7 @@ class SpecDecodingStats:
             d.steps_by_mode[mode] -= n
         return d
 
-    def copy(self) -> "SpecDecodingStats":
+    def copy(self) -> SpecDecodingStats:
         return copy.deepcopy(self)
 
     @property

@@ -16,9 +16,9 @@ import torch
 from flexdraft.core.config import RuntimeConfig
 from flexdraft.core.data import chat_ids, gsm8k_questions
 from flexdraft.core.errors import FlexDraftError
-from flexdraft.speculative.sampling import SamplingParams
 from flexdraft.engine.ar import generate
 from flexdraft.models.loading import load_model
+from flexdraft.speculative.sampling import SamplingParams
 
 
 @dataclass

@@ -32,7 +32,7 @@ class ModelArgs:
     eos_token_ids: tuple[int, ...] = ()
 
     @classmethod
-    def from_hf_config(cls, cfg: dict) -> "ModelArgs":
+    def from_hf_config(cls, cfg: dict) -> ModelArgs:
         arch = cfg.get("model_type")
         if arch not in SUPPORTED_ARCHS:
             raise FlexDraftError(f"unsupported model_type {arch!r}: supported are {', '.join(SUPPORTED_ARCHS)}")

@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from flexdraft.core.config import RuntimeConfig, data_dir
 from flexdraft.core import logs
+from flexdraft.core.config import RuntimeConfig, data_dir
 from flexdraft.core.errors import FlexDraftError
 from flexdraft.core.hardware import probe, warn_emulated_bf16
 from flexdraft.models.config import ModelArgs

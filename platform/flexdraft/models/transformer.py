@@ -60,7 +60,7 @@ class KVCache:
             return self.k[layer][:, :, :span], self.v[layer][:, :, :span]
         return kv
 
-    def rows(self, start: int, end: int) -> "KVCache":
+    def rows(self, start: int, end: int) -> KVCache:
         """A view of rows start..end-1: writes through it land in this cache."""
         view = KVCache.__new__(KVCache)
         view.k = [k[start:end] for k in self.k]
@@ -161,8 +161,8 @@ def cpu_attention_kernel(args: ModelArgs, dtype: torch.dtype) -> str:
             k, v = (torch.randn(B, Hkv, S, D, generator=gen).to(dtype) for _ in range(2))
             mask = (torch.arange(S) <= (S - T + torch.arange(T))[:, None]).expand(B, 1, T, S)
             bias = grouped_bias(mask, H // Hkv)
-            runs = {"sdpa": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True),
-                    "math": lambda: grouped_attention(q, k, v, bias)}
+            runs = {"sdpa": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True),  # noqa: B023
+                    "math": lambda: grouped_attention(q, k, v, bias)}  # noqa: B023 (both run within this iteration)
             with torch.inference_mode():
                 for name, fn in runs.items():
                     fn()
@@ -242,7 +242,7 @@ class Linear(nn.Linear):
         return packed_linear(x, self.packed, self.bias, self.one_row)
 
     @staticmethod
-    def concat(linears: list["Linear"], pack: str | None) -> "Linear":
+    def concat(linears: list[Linear], pack: str | None) -> Linear:
         """One Linear whose outputs are the given ones' side by side (same input width): a frozen copy, prepacked
         unless pack is None (else: a single row's path, `one_row_path`)."""
         w = torch.cat([m.weight.detach() for m in linears])
@@ -406,7 +406,7 @@ class Transformer(nn.Module):
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
 
-    def to_runtime(self, device, dtype, prepack: bool = False, attention: str = "auto") -> "Transformer":
+    def to_runtime(self, device, dtype, prepack: bool = False, attention: str = "auto") -> Transformer:
         """Move to device/dtype for inference (the model is frozen from here on); prepack: oneDNN weight
         prepacking on CPU where oneDNN can pack this dtype, a single row going the way `one_row_path` measures
         fastest (see Linear; elsewhere plain F.linear); q/k/v and

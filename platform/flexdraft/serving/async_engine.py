@@ -9,15 +9,15 @@ import concurrent.futures
 import queue
 import threading
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable
 
 import torch
 
 from flexdraft.core import logs
 from flexdraft.core.errors import FlexDraftError
-from flexdraft.engine.stats import SpecDecodingStats, StepOutput, StepStats
 from flexdraft.engine.engine import Engine
+from flexdraft.engine.stats import SpecDecodingStats, StepOutput, StepStats
 from flexdraft.speculative.sampling import Generation, SamplingParams
 
 

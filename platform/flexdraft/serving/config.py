@@ -57,7 +57,7 @@ class ServeConfig:
     def engine_config(self) -> EngineConfig:
         return from_dict(EngineConfig, self.engine, ".engine")
 
-    def needs_new_engine(self, other: "ServeConfig") -> bool:
+    def needs_new_engine(self, other: ServeConfig) -> bool:
         """Whether going from `other` to this config changes more than the live knobs."""
         a, b = dataclasses.asdict(self), dataclasses.asdict(other)
         for d in (a, b):

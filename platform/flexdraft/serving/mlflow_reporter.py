@@ -9,7 +9,6 @@ import time
 from flexdraft.core import logs
 from flexdraft.serving.async_engine import AsyncEngine
 
-
 HEARTBEAT = "flexdraft.heartbeat"  # tag: epoch seconds of the run's last report
 ENDED = "flexdraft.ended"  # tag: why a run was ended by someone other than its replica
 

@@ -12,27 +12,38 @@ import asyncio
 import dataclasses
 import os
 import time
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import AsyncIterator
 
+import ray
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-import ray
 from ray import serve
 from starlette.exceptions import HTTPException
 
 from flexdraft.core import logs
 from flexdraft.core.config import from_dict
 from flexdraft.core.errors import FlexDraftError
-from flexdraft.serving.openai_api import (APIError, TextStream, chunk, finish_reason, fit_to_engine, parse_request,
-                                          response, speculation, sse, usage, validation_error)
-from flexdraft.serving.protocol import ChatCompletionRequest, CompletionRequest
 from flexdraft.serving.async_engine import AsyncEngine, Chunk, EngineFailed, EngineUnavailable
+from flexdraft.serving.config import ServeConfig, apply_live, build, check_exposure
 from flexdraft.serving.metrics import Metrics
 from flexdraft.serving.middleware import Guard, GuardSettings
 from flexdraft.serving.mlflow_reporter import MlflowReporter
-from flexdraft.serving.config import ServeConfig, apply_live, build, check_exposure
+from flexdraft.serving.openai_api import (
+    APIError,
+    TextStream,
+    chunk,
+    finish_reason,
+    fit_to_engine,
+    parse_request,
+    response,
+    speculation,
+    sse,
+    usage,
+    validation_error,
+)
+from flexdraft.serving.protocol import ChatCompletionRequest, CompletionRequest
 
 app = FastAPI(title="FlexDraft", description="Lossless speculative decoding, OpenAI-compatible")
 log = logs.get("serve")

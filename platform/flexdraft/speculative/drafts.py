@@ -53,7 +53,7 @@ class Plan:
     block: int = 0
     branches: int = 0
     nodes: int = 0
-    drafts: "Drafts | None" = field(default=None, compare=False)  # (this step's: not part of the plan's shape)
+    drafts: Drafts | None = field(default=None, compare=False)  # (this step's: not part of the plan's shape)
 
 
 @dataclass(frozen=True, eq=False)
@@ -76,7 +76,7 @@ class Drafts:
 
     @staticmethod
     def chains(tokens: torch.Tensor, kinds, probs: torch.Tensor | None = None,
-               q: torch.Tensor | None = None) -> "Drafts":
+               q: torch.Tensor | None = None) -> Drafts:
         """tokens [n, Bv]: one chain per row."""
         n, N = tokens.shape
         index = torch.arange(N, device=tokens.device).expand(n, N)
@@ -84,11 +84,11 @@ class Drafts:
         return Drafts(tokens, index, index + 1, tuple(kinds), probs, q, chain=True)
 
     @staticmethod
-    def tree(tokens: torch.Tensor, parent: torch.Tensor, depth: torch.Tensor, kinds) -> "Drafts":
+    def tree(tokens: torch.Tensor, parent: torch.Tensor, depth: torch.Tensor, kinds) -> Drafts:
         return Drafts(tokens, parent, depth, tuple(kinds), torch.ones(tokens.shape, device=tokens.device))
 
     @staticmethod
-    def none(n: int, device) -> "Drafts":
+    def none(n: int, device) -> Drafts:
         """An AR step's: no drafts."""
         return Drafts.chains(torch.zeros(n, 0, dtype=torch.long, device=device), (None,) * n)
 

@@ -76,7 +76,7 @@ class NgramStore:
 
     @classmethod
     def build(cls, sequences: list[list[int]], vocab_size: int, max_n: int = 6, min_n: int = 2, min_count: int = 2,
-              min_share: float = 0.5) -> "NgramStore":
+              min_share: float = 0.5) -> NgramStore:
         if not 1 <= min_n <= max_n:
             raise FlexDraftError(f"n-gram store sizes must satisfy 1 <= min_n <= max_n, got {min_n}, {max_n}")
         counts: dict[tuple, Counter] = defaultdict(Counter)
@@ -121,7 +121,7 @@ class NgramStore:
         save_file(tensors, str(path), metadata={"meta": json.dumps(meta)})
 
     @classmethod
-    def load(cls, path: str | Path, vocab_size: int) -> "NgramStore":
+    def load(cls, path: str | Path, vocab_size: int) -> NgramStore:
         from safetensors import safe_open
 
         path = Path(path)

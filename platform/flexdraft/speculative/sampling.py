@@ -9,7 +9,6 @@ import torch
 
 from flexdraft.core.errors import FlexDraftError
 
-
 SAMPLING_EPS = 1e-5  # a temperature below this decodes greedily (as vLLM): logits / 1e-300 would be inf
 SEED_RANGE = (-(2 ** 63), 2 ** 64 - 1)  # what torch.Generator.manual_seed takes
 
@@ -154,14 +153,14 @@ class SamplingBatch:
     top_p: torch.Tensor  # [s] fp32 (1 = off)
 
     @staticmethod
-    def of(params: list[SamplingParams], generators: list, device="cpu") -> "SamplingBatch":
+    def of(params: list[SamplingParams], generators: list, device="cpu") -> SamplingBatch:
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if not rows:  # every row greedy (the common step): nothing to build
             return GREEDY
         return SamplingBatch.over(rows, [params[i] for i in rows], [generators[i] for i in rows], device)
 
     @staticmethod
-    def over(rows: list[int], params: list[SamplingParams], generators: list, device) -> "SamplingBatch":
+    def over(rows: list[int], params: list[SamplingParams], generators: list, device) -> SamplingBatch:
         """Rows `rows` sampling with params[i] and generators[i] (whatever their temperature)."""
         tensor = lambda xs, dtype: torch.tensor(xs, dtype=dtype, device=device)  # noqa: E731
         return SamplingBatch(tensor(rows, torch.long), tuple(generators),
@@ -173,7 +172,7 @@ class SamplingBatch:
     def all_greedy(self) -> bool:
         return not self.generators
 
-    def subset(self, rows: list[int]) -> "SamplingBatch":
+    def subset(self, rows: list[int]) -> SamplingBatch:
         """The batch over `rows` (indices of this batch's rows, in that order)."""
         if self.all_greedy:
             return self

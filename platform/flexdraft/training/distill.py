@@ -61,9 +61,8 @@ def answer_shard(lm, prompts: list[dict], cfg: PipelineConfig, path: Path, deadl
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from flexdraft.speculative.sampling import SamplingParams
-
     from flexdraft.engine.ar import generate
+    from flexdraft.speculative.sampling import SamplingParams
 
     d = cfg.distill
     t0 = time.perf_counter()

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from flexdraft.drafter.model import Drafter
 from flexdraft.core.errors import FlexDraftError
-from flexdraft.speculative.sampling import argmax_tokens, top_logprobs
+from flexdraft.drafter.model import Drafter
 from flexdraft.models.transformer import KVCache, Transformer
+from flexdraft.speculative.sampling import argmax_tokens, top_logprobs
 from flexdraft.speculative.trees import draft_tree, tree_ancestors, tree_tokens, tree_walk
 
 

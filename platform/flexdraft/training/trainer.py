@@ -70,8 +70,8 @@ def run_training(cfg: PipelineConfig, stage: str, deadline: float | None = None,
     from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from flexdraft.drafter.model import read_drafter_meta
     from flexdraft.core.tracking import start_run, tracking_uri
+    from flexdraft.drafter.model import read_drafter_meta
 
     launched = time.time()  # the stage's start-up runs from here to its first step
     files = preflight(cfg, stage)

@@ -126,7 +126,7 @@ class WorkerArgs:
         return {**asdict(self), "pipeline": asdict(self.pipeline)}
 
     @staticmethod
-    def from_config(config: dict) -> "WorkerArgs":
+    def from_config(config: dict) -> WorkerArgs:
         return WorkerArgs(**{**config, "pipeline": from_dict(PipelineConfig, config["pipeline"])})
 
 

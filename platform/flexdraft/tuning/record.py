@@ -11,8 +11,14 @@ from pathlib import Path
 
 from flexdraft.drafter.registry import attach_policy, is_model_uri
 from flexdraft.evaluation.report import save_figure
-from flexdraft.tuning.sweep import DECODE_PARAMS, TRAINING_PARAMS, SweepConfig, decode_params, export_policy, trial_policy
-
+from flexdraft.tuning.sweep import (
+    DECODE_PARAMS,
+    TRAINING_PARAMS,
+    SweepConfig,
+    decode_params,
+    export_policy,
+    trial_policy,
+)
 
 # ------------------------------------------------------------------------------------------- MLflow
 
@@ -67,7 +73,7 @@ class TrialRun:
     def tag(self, key: str, value: str) -> None:
         self.client.set_tag(self.run_id, key, value)
 
-    def __enter__(self) -> "TrialRun":
+    def __enter__(self) -> TrialRun:
         return self
 
     def __exit__(self, kind, error, tb) -> None:
@@ -183,8 +189,8 @@ def finish(cfg: SweepConfig, root: Path, trials: list[dict], histories: dict, pa
     from mlflow.entities import Metric
     from mlflow.tracking import MlflowClient
 
-    from flexdraft.speculative.policy_file import save_policy
     from flexdraft.core.tracking import hardware
+    from flexdraft.speculative.policy_file import save_policy
 
     client = MlflowClient(parent["uri"])
     complete = [t for t in trials if "objective" in t]

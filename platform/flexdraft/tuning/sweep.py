@@ -21,10 +21,10 @@ from pathlib import Path
 
 from flexdraft.core import logs
 from flexdraft.core.config import RuntimeConfig, data_dir, load_yaml
-from flexdraft.engine.config import EngineConfig
 from flexdraft.core.errors import FlexDraftError
-from flexdraft.speculative.policy_file import Band, Policy
+from flexdraft.engine.config import EngineConfig
 from flexdraft.speculative.drafts import Mode
+from flexdraft.speculative.policy_file import Band, Policy
 
 log = logs.get("sweep")
 
@@ -230,10 +230,10 @@ def prepare(cfg: SweepConfig) -> Prepared:
     """Check the space against the model and drafter, pick the validation prompts -> what trials share. Every
     error here is a FlexDraftError raised before Ray starts."""
     from flexdraft.drafter.model import DrafterConfig, read_drafter_meta
+    from flexdraft.drafter.recipe import PipelineConfig, default_drafter_dir, load_pipeline_config
     from flexdraft.drafter.registry import is_model_uri, resolve
     from flexdraft.models.config import ModelArgs
     from flexdraft.models.loading import load_tokenizer, resolve_source
-    from flexdraft.drafter.recipe import PipelineConfig, default_drafter_dir, load_pipeline_config
 
     pipeline = load_pipeline_config(cfg.pipeline) if cfg.pipeline else PipelineConfig()
     model = cfg.model if cfg.kind == "decode" else pipeline.model
@@ -319,8 +319,7 @@ def trial_pipeline(cfg: SweepConfig, base, params: dict, trial_id: str):
 
 def pick_prompts(cfg: SweepConfig, pipeline, tokenizer, n: int) -> list[list[int]]:
     """n validation prompts (token ids, chat template) per `cfg.prompts`; see SweepConfig.prompts."""
-    from flexdraft.core.data import read_prompts_file
-    from flexdraft.core.data import read_split
+    from flexdraft.core.data import read_prompts_file, read_split
     from flexdraft.training.distill import select_prompts
 
     if cfg.prompts == "held-out":
@@ -346,8 +345,8 @@ class Measurer:
     with AR in lockstep (one step of each in turn, `harness.lockstep`) and compares their tokens per second."""
 
     def __init__(self, cfg: SweepConfig, drafter: str, prompts: list[list[int]], model: str):
-        from flexdraft.models.loading import TOKENIZER_FILES, load_model, resolve_source
         from flexdraft.engine.runner import resolve_drafter, resolve_store
+        from flexdraft.models.loading import TOKENIZER_FILES, load_model, resolve_source
 
         runtime = RuntimeConfig(device=cfg.device, dtype=cfg.dtype, threads=cfg.threads)
         tokenizer = any((resolve_source(model) / f).is_file() for f in TOKENIZER_FILES)  # (its EOS ids, if any)
@@ -373,9 +372,9 @@ class Measurer:
                             "threads": torch.get_num_threads(), "cpu": hardware().get("gpu") or hardware()["cpu"]}}
 
     def run(self, policy: Policy, batch: int) -> dict:
-        from flexdraft.speculative.sampling import SamplingParams
-        from flexdraft.evaluation.harness import lockstep
         from flexdraft.engine.runner import build_engine
+        from flexdraft.evaluation.harness import lockstep
+        from flexdraft.speculative.sampling import SamplingParams
 
         ec = lambda mode: EngineConfig(mode=mode, max_batch=batch, max_len=self.max_len)  # noqa: E731
         engines = {"policy": build_engine(self.lm, self.choice, ec("adaptive"), self.store, policy),

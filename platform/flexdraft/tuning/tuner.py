@@ -18,12 +18,12 @@ import ray
 from ray import tune
 from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 
-from flexdraft.tuning import sweep as sw
-from flexdraft.tuning import record as rec
 from flexdraft.core.config import from_dict
 from flexdraft.core.errors import FlexDraftError
-from flexdraft.training.jobs import init_ray, run_distill, run_training
 from flexdraft.drafter.recipe import PipelineConfig
+from flexdraft.training.jobs import init_ray, run_distill, run_training
+from flexdraft.tuning import record as rec
+from flexdraft.tuning import sweep as sw
 
 
 def _measure(cfg: sw.SweepConfig, measurer: sw.Measurer, policy, results: dict, run: rec.TrialRun, extra: dict):

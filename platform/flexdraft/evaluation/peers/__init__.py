@@ -71,7 +71,7 @@ class Peer:
         self.proc.stdin.flush()
         return self._answer()
 
-    def __enter__(self) -> "Peer":
+    def __enter__(self) -> Peer:
         return self
 
     def __exit__(self, *exc) -> None:
