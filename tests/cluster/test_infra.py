@@ -6,20 +6,25 @@ import gzip
 import importlib
 import re
 import shlex
+import shutil
+import subprocess
 import tomllib
 
 import jsonschema
 import pytest
 import yaml
-from conftest import REPO
 
+from conftest import REPO
 from flexdraft.core.config import from_dict
 from flexdraft.serving.config import ServeConfig
 
 K8S = REPO / "infra" / "k8s"
 CRDS = REPO.parent / "shared" / "kuberay-crds"
 KINDS = {"RayJob": "rayjobs", "RayCluster": "rayclusters", "RayService": "rayservices"}
-WORKLOADS = {"rayjob-pipeline.yaml": "RayJob", "raycluster-sweeps.yaml": "RayCluster", "rayservice.yaml": "RayService"}
+WORKLOADS = {"rayjob-pipeline.yaml": "RayJob", "raycluster-sweeps.yaml": "RayCluster",
+             "serve/rayservice.yaml": "RayService"}
+# the manifests (kustomize applies them: infra/k8s, then infra/k8s/serve; infra/k8s/image names the image)
+MANIFESTS = sorted(str(p.relative_to(K8S)) for p in K8S.rglob("*.yaml") if p.name != "kustomization.yaml")
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 
 
@@ -84,7 +89,7 @@ def serve_app(doc: dict) -> dict:
     return yaml.safe_load(doc["spec"]["serveConfigV2"])
 
 
-ALL = [d for name in sorted(p.name for p in K8S.glob("*.yaml")) for d in docs(name)]
+ALL = [d for name in MANIFESTS for d in docs(name)]
 
 
 @pytest.mark.skipif(not CRDS.is_dir(), reason="no shared copy of KubeRay's CRDs beside this checkout to compare with")
@@ -141,7 +146,7 @@ def test_serve_config_v2_is_serve_config_yamls_app_and_valid_for_ray_serve(monke
     drafter, which comes from the model registry."""
     from ray.serve.schema import ServeDeploySchema
 
-    cfg = serve_app(workload("rayservice.yaml"))
+    cfg = serve_app(workload("serve/rayservice.yaml"))
     ServeDeploySchema.model_validate(cfg)
     ours = yaml.safe_load((REPO / "serve" / "config.yaml").read_text())
     (app,), (local,) = cfg["applications"], ours["applications"]
@@ -161,14 +166,25 @@ def test_serve_config_v2_is_serve_config_yamls_app_and_valid_for_ray_serve(monke
     assert cfg["proxy_location"] == "EveryNode" and cfg["http_options"]["host"] == "0.0.0.0"
 
 
+def kustomization(folder: str) -> dict:
+    return yaml.safe_load((K8S / folder / "kustomization.yaml").read_text())
+
+
 def test_images_and_ray_versions_are_the_repositorys():
-    """Every container runs flexdraft:<pyproject version>, the tag the Dockerfile documents; every Ray cluster
-    declares the Ray version pyproject pins; the Dockerfile installs through the Makefile."""
+    """Every container runs `flexdraft`, the name infra/k8s/image maps to the built image (by default
+    flexdraft:<pyproject version>, the tag the Dockerfile's build command gives); the two kustomizations apply every
+    manifest once, both through that component; every Ray cluster declares the Ray version pyproject pins; the
+    Dockerfile installs through the Makefile."""
     version = PYPROJECT["project"]["version"]
     ray_pin = next(re.search(r"==([\d.]+)", d).group(1) for d in PYPROJECT["project"]["dependencies"]
                    if d.startswith("ray["))
     images = {c["image"] for d in ALL if d["kind"] in (*KINDS, "Deployment") for c in containers(d)}
-    assert images == {f"flexdraft:{version}"}
+    assert images == {"flexdraft"}
+    (image,) = kustomization("image")["images"]
+    assert image == {"name": "flexdraft", "newName": "flexdraft", "newTag": version}
+    applied = kustomization(".")["resources"] + ["serve/" + r for r in kustomization("serve")["resources"]]
+    assert sorted(applied) == MANIFESTS
+    assert kustomization(".")["components"] == ["image"] and kustomization("serve")["components"] == ["../image"]
     dockerfile = (REPO / "infra" / "docker" / "Dockerfile").read_text()
     assert f"-t flexdraft:{version} " in dockerfile and "RUN make install" in dockerfile
     assert "WORKDIR /app" in dockerfile and "PYTHONPATH=/app" in dockerfile
@@ -176,6 +192,30 @@ def test_images_and_ray_versions_are_the_repositorys():
         doc = workload(name)
         cluster = doc["spec"].get("rayClusterSpec") or doc["spec"].get("rayClusterConfig") or doc["spec"]
         assert cluster["rayVersion"] == ray_pin
+
+
+@pytest.mark.skipif(not shutil.which("kubectl"), reason="kubectl (its built-in kustomize) is not installed")
+def test_one_edit_sets_every_containers_image(tmp_path):
+    """Your own image, set once in infra/k8s/image, is what `kubectl kustomize` renders into every container of
+    both kustomizations (RayJob, RayCluster and RayService pod templates included), and nothing else changes."""
+    copy_ = tmp_path / "k8s"
+    shutil.copytree(K8S, copy_, ignore=shutil.ignore_patterns("crds"))
+    component = copy_ / "image" / "kustomization.yaml"
+    component.write_text(component.read_text().replace("newName: flexdraft", "newName: registry.example.com/team/flexdraft")
+                         .replace(f'newTag: "{PYPROJECT["project"]["version"]}"', 'newTag: "2.0-rc1"'))
+    rendered = []
+    for folder in (copy_, copy_ / "serve"):
+        out = subprocess.run(["kubectl", "kustomize", str(folder)], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        rendered += [d for d in yaml.safe_load_all(out.stdout) if d]
+    assert len(rendered) == len(ALL)
+    images = {c["image"] for d in rendered if d["kind"] in (*KINDS, "Deployment") for c in containers(d)}
+    assert images == {"registry.example.com/team/flexdraft:2.0-rc1"}
+    for d in rendered:
+        for c in containers(d) if d["kind"] in (*KINDS, "Deployment") else []:
+            c["image"] = "flexdraft"
+    key = lambda d: (d["kind"], d["metadata"]["name"])
+    assert sorted(rendered, key=key) == sorted(ALL, key=key)
 
 
 def _commands(name: str) -> list[list[str]]:
@@ -200,7 +240,7 @@ def test_entrypoints_are_commands_of_this_repository(name):
         for arg in argv[1:]:
             if arg.startswith("/app/"):
                 assert (REPO / arg.removeprefix("/app/")).is_file(), arg
-    assert _commands(name) or name == "rayservice.yaml"
+    assert _commands(name) or name == "serve/rayservice.yaml"
 
 
 def test_env_vars_volumes_and_services_agree():
@@ -249,7 +289,7 @@ def test_deployments_are_hardened_as_a_platform_team_expects():
             for c in t["spec"]["containers"]:
                 sc = c["securityContext"]
                 assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"]["drop"] == ["ALL"]
-    service = workload("rayservice.yaml")
+    service = workload("serve/rayservice.yaml")
     keys = [e for c in containers(service) for e in c["env"] if e["name"] == "FLEXDRAFT_API_KEY"]
     assert keys and all(not e["valueFrom"]["secretKeyRef"].get("optional", False) for e in keys)
     assert serve_app(service)["http_options"]["host"] == "0.0.0.0"
