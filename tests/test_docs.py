@@ -4,8 +4,6 @@ import re
 import shlex
 from pathlib import Path
 
-import pytest
-
 from flexdraft.cli.main import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,9 +55,147 @@ def test_every_path_the_docs_name_exists_and_none_points_outside_the_repository(
         for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text):
             if not re.match(r"[a-z]+://|mailto:", target) and not (doc.parent / target).exists():
                 missing.append(f"{doc.relative_to(ROOT)}: link {target}")
-        for path in re.findall(r"`((?:%s)/[^`\s*<>{}$]*)`" % "|".join(FOLDERS), text):
+        for path in re.findall(r"`((?:" + "|".join(FOLDERS) + r")/[^`\s*<>{}$]*)`", text):
             if not any((root / path.rstrip(".,:")).exists() for root in (ROOT, LIBRARY)):
                 missing.append(f"{doc.relative_to(ROOT)}: path {path}")
         for outside in re.findall(r"\.\./shared|/work/\S*|/home/\S*", text):
             missing.append(f"{doc.relative_to(ROOT)}: outside the repository: {outside}")
+    assert not missing, "\n".join(missing)
+
+
+# --- figures: each README figure against the results file it cites ------------------------------------------------
+
+RESULTS = ROOT / "docs" / "results"
+
+
+def md_tables(path: Path) -> list[list[dict[str, str]]]:
+    """Every markdown table of a file, as rows keyed by the header's cells (bold marks dropped)."""
+    tables, current, header = [], None, None
+    for line in path.read_text().splitlines() + [""]:
+        cells = [c.replace("**", "").strip() for c in line.strip().strip("|").split("|")] if line.startswith("|") else None
+        if cells is None:
+            current = header = None
+        elif header is None:
+            header, current = cells, []
+            tables.append(current)
+        elif not set(line) <= set("|-: "):
+            current.append(dict(zip(header, cells)))
+    return tables
+
+
+def table(path: Path, first_header: str, *others: str) -> list[dict[str, str]]:
+    """The file's first table whose header starts with these cells."""
+    want = [first_header, *others]
+    for t in md_tables(path):
+        if t and list(t[0])[:len(want)] == want:
+            return t
+    raise AssertionError(f"{path.relative_to(ROOT)}: no table with header {want}")
+
+
+def summary(path: Path, after: str) -> dict[str, list[str]]:
+    """A harness summary table (method | batch 1 | ...) that follows the line `after`: method -> its cells."""
+    text = path.read_text()
+    assert after in text, f"{path.relative_to(ROOT)}: no '{after}'"
+    rows = []
+    for line in text[text.index(after):].splitlines()[1:]:
+        if line.startswith("|"):
+            rows.append([c.strip() for c in line.strip().strip("|").split("|")])
+        elif rows:
+            break
+    return {r[0]: r[1:] for r in rows[2:]}
+
+
+def mismatched(path: Path, method: str) -> tuple[int, int]:
+    """(rows that differ from our AR, rows) summed over a harness run's per-cell table for one method."""
+    rows = [r for r in table(path, "dataset", "batch", "method") if r["method"] == method]
+    pairs = [tuple(map(int, r["mismatched rows"].split("/"))) for r in rows]
+    return sum(a for a, _ in pairs), sum(b for _, b in pairs)
+
+
+def said(pattern: str, doc: str = "README.md") -> tuple[str, ...]:
+    """The numbers a document states where `pattern` (a regex with groups) matches it."""
+    text = re.sub(r"\s+", " ", (ROOT / doc).read_text())
+    found = re.search(pattern, text)
+    assert found, f"{doc} no longer says /{pattern}/: update the claim and tests/test_docs.py together"
+    return found.groups()
+
+
+def span(values: list[str]) -> str:
+    """'lo-hi' of ratio cells such as ['1.18x', '0.97x']."""
+    xs = [float(v.rstrip("x")) for v in values]
+    return f"{min(xs):.2f}-{max(xs):.2f}"
+
+
+DEMO, DEMO_RUN = RESULTS / "2026-12-02-demo" / "results.md", RESULTS / "2026-12-02-demo" / "README.md"
+PEERS = RESULTS / "2026-12-06-peers"
+SERVE, HTTP = RESULTS / "2026-12-04-serve" / "README.md", RESULTS / "2026-12-05-http" / "README.md"
+HEADLINE_ROWS = {  # the README's headline table row -> the harness's method
+    "`transformers` `generate` (same weights)": "hf-generate", "`transformers` prompt lookup": "hf-prompt-lookup",
+    "sequential (draft after verify)": "sequential", "tree (sequential drafts as a token tree)": "tree",
+    "parallel, pruned branches": "parallel-pruned", "prompt lookup + n-gram store (no drafter)": "lookup",
+    "adaptive, drafter modes only (no lookup)": "adaptive-drafter", "adaptive (the product)": "adaptive",
+    "`ar-control` (our AR again: the noise floor)": "ar-control"}
+
+
+def readme_figures() -> list[tuple[str, tuple, tuple]]:
+    """(claim, what the README says, what its results file holds) for every figure docs/claims.md lists."""
+    readme = {r["method"]: [r["batch 1"], r["batch 4"], r["batch 16"]]
+              for r in table(ROOT / "README.md", "method", "batch 1", "batch 4", "batch 16")}
+    demo = summary(DEMO, "**Speed-up over our AR, mean over the datasets**")
+    fp32 = summary(PEERS / "fp32" / "results.md", "**Speed-up over our AR, mean over the datasets**")
+    vs_peer = {dt: summary(PEERS / dt / "results.md", "**Speed-up over the best peer") for dt in ("bf16", "fp32")}
+    served = table(SERVE, "concurrency", "learned / AR")
+    http = table(HTTP, "concurrency", "learned / AR")
+    shares = {(r["mode"], r["side"]): r["share of offline"] for r in table(HTTP, "mode", "side", "tok/s")}
+    noise = re.search(r"measured ([\d.]+x?)-([\d.]+x?)x of `ar`", DEMO.read_text()).groups()
+    return [
+        ("the headline table", tuple(tuple(readme[row]) for row in HEADLINE_ROWS),
+         tuple(tuple(demo[m]) for m in HEADLINE_ROWS.values())),
+        ("the headline run's noise floor", said(r"inside the run's ([\d.]+x?)-([\d.]+x?)x noise floor"), noise),
+        ("the pipeline's training time", said(r"trained in ([\d.]+x?) min on 2 CPU"),
+         re.search(r"\*\*([\d.]+x?) min\*\*", DEMO_RUN.read_text()).groups()),
+        ("the drafter's validation tau", said(r"([\d.]+x?) with the bonus known, ([\d.]+x?) masked \+ calibrated, ([\d.]+x?) as a tree of 8"),
+         re.search(r"\*\*([\d.]+x?)\*\* bonus known, .*?\*\*([\d.]+x?)\*\* masked \+ calibrated.*?\*\*([\d.]+x?)\*\* /", DEMO_RUN.read_text()).groups()),
+        ("bf16 rows that differ from AR", said(r"(\d+) of (\d+) adaptive rows differ from AR's \(sequential and tree: (\d+) of (\d+);"
+                                              r" `transformers`' own `generate` differs from our AR in (\d+) of (\d+) rows"),
+         tuple(str(n) for m in ("adaptive", "sequential", "hf-generate") for n in mismatched(DEMO, m))),
+        ("fp32 rows that differ from AR", said(r"\((\d+) of (\d+) adaptive rows differ on the EPYC"),
+         tuple(map(str, mismatched(PEERS / "fp32" / "results.md", "adaptive")))),
+        ("fp32 speed-ups", said(r"adaptive gave ([\d.]+x?) / ([\d.]+x?) at batch 1 / 16 against a ([\d.]+x?) / ([\d.]+x?) control"),
+         (*fp32["adaptive"], *fp32["ar-control"])),
+        ("beside vLLM", said(r"Our AR is ([\d.]+x?) / ([\d.]+x?) \(bf16\) and ([\d.]+x?) / ([\d.]+x?) \(fp32\) of vLLM's best mode at batch 1 / 16,"
+                             r" adaptive ([\d.]+x?) / ([\d.]+x?) and ([\d.]+x?) / ([\d.]+x?)"),
+         (*vs_peer["bf16"]["ar"], *vs_peer["fp32"]["ar"], *vs_peer["bf16"]["adaptive"], *vs_peer["fp32"]["adaptive"])),
+        ("served, 2026-12-04", said(r"gave ([\d.]+x) at concurrency 1 and ([\d.]+-[\d.]+)x at 2-16, where AR against itself moved ([\d.]+-[\d.]+)x"),
+         (served[0]["learned / AR"], span([r["learned / AR"] for r in served[1:]]),
+          span([r["ar2 / AR (noise)"] for r in served[1:]]))),
+        ("served long documents", said(r"and ([\d.]+x?) on ShareGPT's long documents"),
+         (table(SERVE, "concurrency", "learned / AR", "static / AR", "ar2 / AR (noise)", "learned TPOT p50 vs AR")[0]["learned / AR"],)),
+        ("served, 2026-12-05", said(r"([\d.]+x) at concurrency 1 and ([\d.]+x) at 2, with (\d+%) \(AR\) and (\d+%) \(adaptive\)"),
+         (http[0]["learned / AR"], http[1]["learned / AR"], shares["ar", "http"], shares["adaptive", "http"])),
+    ]
+
+
+def test_each_readme_figure_equals_its_results_file():
+    """The README states each measured figure exactly as the results file it cites holds it (or as it follows from
+    that file: a range over its rows, a count of its mismatched rows): editing either away from the other fails."""
+    figures = readme_figures()
+    wrong = [f"{claim}: the README says {readme}, its results file {source}"
+             for claim, readme, source in figures if readme != source]
+    assert not wrong, "\n".join(wrong)
+    assert len(figures) == 11
+
+
+def test_config_paths_in_documented_commands_exist():
+    """Every `--config`, `--bench-config` or `--policy` path a documented command passes is a file of the
+    repository (or a placeholder a reader fills in)."""
+    missing = []
+    for doc in [*DOCS, ROOT / "CONTRIBUTING.md"]:
+        text = re.sub(r"\\\n\s*", " ", doc.read_text())
+        for flag, path in re.findall(r"(--config|--bench-config|--policy)[ =]([^\s`'\"]+)", text):
+            if (path.startswith(("~", "$", "/")) or "<" in path or "..." in path or path.isupper()
+                    or "models:/" in path or re.search(rf"\bcp \S+ {re.escape(path)}", text)):
+                continue  # a placeholder, a path on another machine, or a file the document has the reader make
+            if not (ROOT / path).is_file() and not (doc.parent / path).is_file():
+                missing.append(f"{doc.relative_to(ROOT)}: {flag} {path}")
     assert not missing, "\n".join(missing)
