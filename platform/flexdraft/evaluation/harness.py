@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import math
 import random
 import statistics
 import time
@@ -23,23 +24,22 @@ from pathlib import Path
 import torch
 
 from flexdraft.core import logs
+from flexdraft.core.config import RuntimeConfig, data_dir, from_dict, load_yaml
+from flexdraft.core.data import BENCH_DATASETS, UNAVAILABLE_DATASETS, bench_prompts, check_datasets
+from flexdraft.core.errors import FlexDraftError
+from flexdraft.drafter.registry import set_tags
+from flexdraft.engine.ar import generate
+from flexdraft.engine.config import EngineConfig
+from flexdraft.engine.engine import Engine
+from flexdraft.engine.runner import build_engine, provenance, resolve_drafter, resolve_policy, resolve_store
+from flexdraft.engine.stats import NOT_DECODING
 from flexdraft.evaluation.bench import hf_generate, load_hf, timed
 from flexdraft.evaluation.methods import METHODS, OPT_IN, Method, speculative
 from flexdraft.evaluation.peers import Peer, peer_python
 from flexdraft.evaluation.report import line, noise_floor, plot, report, summary
-from flexdraft.core.config import RuntimeConfig, data_dir, from_dict, load_yaml
-from flexdraft.core.data import BENCH_DATASETS, UNAVAILABLE_DATASETS, bench_prompts, check_datasets
-from flexdraft.engine.engine import Engine
-from flexdraft.engine.config import EngineConfig
-from flexdraft.engine.stats import NOT_DECODING
-from flexdraft.speculative.drafts import Mode
-from flexdraft.core.errors import FlexDraftError
-from flexdraft.speculative.sampling import SamplingParams
-from flexdraft.engine.ar import generate
 from flexdraft.models.loading import load_model
-from flexdraft.drafter.registry import set_tags
-from flexdraft.engine.runner import build_engine, provenance, resolve_drafter, resolve_policy, resolve_store
-
+from flexdraft.speculative.drafts import Mode
+from flexdraft.speculative.sampling import SamplingParams
 
 log = logs.get("bench")
 
@@ -120,9 +120,17 @@ class HarnessConfig:
                               top_p=self.top_p, seed=self.seed)
 
 
-def _eta(elapsed: float, done: int, total: int) -> str:
-    """", ~N min left" at the pace of the units done so far (a progress line's estimate; "" before the first)."""
-    return f", ~{elapsed / done * (total - done) / 60:.1f} min left" if done else ""
+def cell_work(prompts: int, batch: int, max_new_tokens: int) -> float:
+    """A cell's decoding work per method in one-row steps: its batches' steps, a step of b rows weighted as
+    1 + (b - 1) / 15 one-row steps (a 16-row step costs about two 1-row steps on the CPUs measured,
+    docs/results/2026-12-06-roofline). Cells of different batch sizes differ by 5x or more in time, so the
+    progress estimate counts this, not cells."""
+    return math.ceil(prompts / batch) * max_new_tokens * (1 + (batch - 1) / 15)
+
+
+def _eta(seconds: float, done: float, left: float) -> str:
+    """", ~N min left" at the pace of the work done so far (a progress line's estimate; "" before any)."""
+    return f", ~{seconds / done * left / 60:.1f} min left" if done else ""
 
 
 def load_harness_config(path: str | Path) -> HarnessConfig:
@@ -210,7 +218,7 @@ class HFRunner:
         hf.register_forward_hook(lambda *_: setattr(self, "forwards", self.forwards + 1))
 
     @staticmethod
-    def of(lm, runtime: RuntimeConfig) -> "HFRunner":
+    def of(lm, runtime: RuntimeConfig) -> HFRunner:
         """Over the `transformers` model of the same weights as `lm`."""
         pad = lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else 0
         return HFRunner(load_hf(lm, runtime), list(lm.eos_token_ids), pad)
@@ -391,13 +399,17 @@ def run_harness(cfg: HarnessConfig) -> dict:
             start_run(cfg.mlflow_experiment, {**asdict(cfg), "drafter_source": choice.source}, run_name=name) as run:
         peers = start_peers(lm, cfg, max_len, stack)
         mlflow.set_tags({f"flexdraft.{k}": v for k, v in provenance(choice).items()})
-        t_cells = time.perf_counter()
+        work = {(b, d): cell_work(len(prompts[d][:max(cfg.samples, b)]), b, cfg.max_new_tokens)
+                for b in cfg.batch_sizes for d in datasets}
+        seconds = done = 0.0  # time in cells (not building engines) and the work it did
         for bi, batch in enumerate(cfg.batch_sizes):
             engines = _engines(lm, choice, store, cfg, batch, max_len)
             for di, d in enumerate(datasets):
                 cell, k = prompts[d][:max(cfg.samples, batch)], bi * len(datasets) + di
+                eta = _eta(seconds, done, sum(work.values()) - done)
                 log.info(f"{k + 1}/{cells}: {d}, batch {batch}, {len(cell)} prompts, "
-                         f"<= {cfg.max_new_tokens} new tokens each{_eta(time.perf_counter() - t_cells, k, cells)}")
+                         f"<= {cfg.max_new_tokens} new tokens each{eta}")
+                t_cell = time.perf_counter()
                 for row in run_cell(engines, hf, cell, batch, cfg, peers, list(lm.eos_token_ids)):
                     row["dataset"] = d
                     rows.append(row)
@@ -406,6 +418,7 @@ def run_harness(cfg: HarnessConfig) -> dict:
                         tag = f"{d}.{row['method']}.b{batch}"
                         keys = ("tok_s", "speedup_ar", "speedup_peer", "tau", "mismatched_rows")
                         mlflow.log_metrics({f"{k}.{tag}": row[k] for k in keys if row[k] is not None})
+                seconds, done = seconds + time.perf_counter() - t_cell, done + work[batch, d]
         profile = step_profile(_engine(lm, choice, None, cfg, "parallel-pruned", 1, max_len), prompts[datasets[0]][0]) \
             if cfg.profile and "parallel-pruned" in cfg.methods else ""
         m = lm.model
