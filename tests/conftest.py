@@ -152,8 +152,8 @@ def tiny_pipeline(tmp_path_factory):
     import pyarrow.parquet as pq
 
     from flexdraft.core.config import from_dict
-    from flexdraft.training.distill import write_manifest
     from flexdraft.drafter.recipe import PipelineConfig
+    from flexdraft.training.distill import write_manifest
 
     root = tmp_path_factory.mktemp("pipeline")
     make_tiny_hf("llama", root / "model")
@@ -232,8 +232,11 @@ METRICS_PORT = 8089  # the head node's Prometheus endpoint (Ray's metrics export
 def ray_head():
     """One Ray cluster for the session's Ray tests (jobs, Serve), started as a user would (`ray start --head`);
     this process joins it. -> the dashboard address (`ray job submit`, `serve deploy`)."""
+    # autoscaling metrics pushed every 0.5 s (Ray 2.60's replacement for AutoscalingConfig.metrics_interval_s),
+    # so the autoscaling test's 1-s look-back sees load within seconds
+    fast = {f"RAY_SERVE_{side}_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5" for side in ("REPLICA", "HANDLE")}
     subprocess.run([RAY, "start", "--head", "--num-cpus=2", "--disable-usage-stats",
-                    f"--metrics-export-port={METRICS_PORT}"], env=ENV, check=True, capture_output=True)
+                    f"--metrics-export-port={METRICS_PORT}"], env={**ENV, **fast}, check=True, capture_output=True)
     import ray
 
     os.environ["RAY_ADDRESS"] = "auto"

@@ -35,7 +35,7 @@ def test_cost_model_learns_load_and_a_mispriced_shape_and_forgets_it_unseen():
     for kind, n, t in (ar, tree, ("target", 8, 5), ("draft", 2, 3), ("parallel", 1, 9)):
         assert costs.seconds(kind, n, t) == pytest.approx(2 * true(kind, n, t), rel=0.1), (kind, n, t)
 
-    for i in range(10):
+    for _ in range(10):
         costs.record(*tree, 2 * 3 * true(*tree))
         costs.record(*ar, 2 * true(*ar))
     assert costs.seconds(*tree) == pytest.approx(6 * true(*tree), rel=0.1)
@@ -116,6 +116,34 @@ def test_learned_costs_follow_an_injected_change_and_the_planner_returns_when_it
     assert switched - 60 <= 25 and modes[switched + 5:200].count("ar") > 0.9 * len(modes[switched + 5:200])
     back = next(i for i in range(200, 449) if modes[i] == "sequential" and modes[i + 1] == "sequential")
     assert back - 200 <= 200, back
+
+
+def test_drafts_that_are_always_wrong_make_the_planner_take_ar_steps(tiny, drafters):
+    """On a fake clock where verifying drafts costs barely more than an AR step, drafts that are never accepted
+    leave nothing to gain: after a few steps to learn that, over 90% of steps are AR (the rest probes whether
+    acceptance came back), new requests included; greedy outputs equal AR greedy."""
+    cost = lambda kind, n, T: 0.002 * n if kind == "draft" else 0.01 * n + (0.0005 * n if T > 1 else 0)  # noqa: E731
+    engine = Engine(tiny, drafters["trained"], EngineConfig(mode="adaptive", switch_batch=0, tree_nodes=0, lookup=0,
+                                                            max_batch=2, max_len=128))
+    engine.profile(rounds=1, timer=lambda kind, n, T, m: cost(kind, n, T))
+    prompts = ragged_prompts(12, seed=7)
+    params = SamplingParams(max_new_tokens=24)
+    ref = {tuple(p): g.token_ids for p, g in zip(prompts, generate(tiny, prompts, params))}
+    engine.proposer = OracleProposer(engine, ref, wrong=True)
+    on_fake_clock(engine, cost)
+    pending, ids, modes = list(prompts), {}, []
+    while len(modes) < 200:
+        while len(engine.slots) + len(engine.waiting) < 2:
+            prompt = pending.pop(0)
+            pending.append(prompt)
+            ids[engine.add_request(prompt, params)] = prompt
+        s = engine.step().stats
+        if not s.admitted:
+            modes.append(s.mode)
+        for rid in [r for r in ids if r in engine.finished]:
+            assert engine.result(rid).token_ids == ref[tuple(ids.pop(rid))]
+    assert modes[:10].count("sequential") >= 1  # (it tried: the profile alone says drafts pay)
+    assert modes[20:].count("ar") > 0.9 * len(modes[20:]), modes
 
 
 def test_speculation_off_for_one_request_while_its_neighbours_speculate(tiny, drafters):

@@ -4,8 +4,8 @@ import json
 
 import mlflow
 import pytest
-from conftest import REPO
 
+from conftest import REPO
 from flexdraft.cli.main import main
 from flexdraft.core.data import BENCH_DATASETS, bench_prompts, check_datasets
 from flexdraft.core.errors import FlexDraftError

@@ -9,15 +9,15 @@ import pytest
 
 from conftest import make_tiny_hf, ragged_prompts
 from flexdraft.core.config import RuntimeConfig, from_dict
-from flexdraft.drafter.model import Drafter, DrafterConfig
-from flexdraft.engine.engine import Engine
-from flexdraft.engine.config import EngineConfig
 from flexdraft.core.errors import FlexDraftError
-from flexdraft.speculative.sampling import SamplingParams
+from flexdraft.drafter.model import Drafter, DrafterConfig
+from flexdraft.engine.config import EngineConfig
+from flexdraft.engine.engine import Engine
 from flexdraft.models.loading import load_model
-from flexdraft.serving.openai_api import APIError, TextStream, parse_request
 from flexdraft.serving.async_engine import AsyncEngine, EngineFailed, EngineUnavailable
 from flexdraft.serving.config import ServeConfig, apply_live
+from flexdraft.serving.openai_api import APIError, TextStream, parse_request
+from flexdraft.speculative.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -336,6 +336,10 @@ def test_a_policy_in_user_config_owns_its_knobs_and_live_changes_leave_them(part
     ({"prompt": "hi", "colour": "red"}, False, 400, "colour"),
     ({"messages": []}, True, 400, "messages"),
     ({"messages": [{"role": "robot", "content": "hi"}]}, True, 400, "messages"),
+    ({"messages": [{"role": "user", "content": "hi"}], "store": "no"}, True, 400, "store"),
+    ({"messages": [{"role": "user", "content": "hi"}], "metadata": {str(i): "v" for i in range(17)}}, True, 400,
+     "metadata"),
+    ({"prompt": "hi", "store": False}, False, 400, "store"),  # (a chat field: the completions API has none)
     # values of the right JSON type that the layers beneath cannot take
     ({"prompt": "hi", "seed": 2 ** 70}, False, 400, "seed"),  # torch.Generator.manual_seed overflows
     ({"prompt": "hi", "temperature": float("nan")}, False, 400, "temperature"),  # Python's JSON reads NaN
@@ -384,6 +388,25 @@ def test_requests_parse_to_the_prompt_ids_the_engine_decodes(real_lm):
             ({}, {"flexdraft": {"speculation": False}}, {"flexdraft": {"num_speculative_tokens": 2}},
              {"flexdraft": {"speculation": False, "num_speculative_tokens": 2}})]
     assert caps == [None, 0, 2, 0]  # the flexdraft extension -> the engine's per-request draft cap
+
+
+@pytest.mark.real_model
+def test_a_developer_message_is_a_system_message_and_openai_metadata_changes_nothing(real_lm):
+    """What OpenAI's newer SDKs and agent frameworks send: a `developer` message is templated as `system`, and
+    store / metadata / service_tier / parallel_tool_calls / prompt_cache_key / safety_identifier are accepted and
+    leave the request exactly as it was."""
+    tok = real_lm.tokenizer
+
+    def parse(role, **extra):
+        body = {"messages": [{"role": role, "content": "Answer in French."}, {"role": "user", "content": "Hi"}],
+                "temperature": 0, "max_completion_tokens": 9, **extra}
+        return parse_request(body, True, "m", tok, 512, 16)
+
+    system = parse("system")
+    assert system.prompt_ids != parse("user").prompt_ids  # (the role reaches the template)
+    developer = parse("developer", store=False, metadata={"team": "search"}, service_tier="auto",
+                      parallel_tool_calls=False, prompt_cache_key="k1", safety_identifier="u1")
+    assert developer.prompt_ids == system.prompt_ids and developer.params == system.params
 
 
 @pytest.mark.real_model

@@ -47,6 +47,7 @@ class ChaosReport:
     after: dict = field(default_factory=dict)
     probe_unchanged: bool = False
     seconds: float = 0.0
+    rss_budget_mb: float = 256.0  # how far the replica's RSS may grow over the run
 
     def as_dict(self) -> dict:
         b, a = self.before, self.after
@@ -59,10 +60,33 @@ class ChaosReport:
                 "rss_mb_before": rss[0], "rss_mb_after": rss[1], "probe_unchanged": self.probe_unchanged,
                 "seconds": round(self.seconds, 1)}
 
+    def problems(self) -> list[str]:
+        """Everything that makes the run a failure, in words; none means the replica took no harm. A request the
+        server must answer (class `valid`) got anything but 200; any request was dropped without an answer
+        (a connection error), shed (503), answered 5xx or not at all; a step failed; the engine died; a row,
+        waiting request or stream was left; the RSS grew past its budget; the probe decoded otherwise; or a
+        class was never tried (the time ran out first)."""
+        d, found = self.as_dict(), []
+        untried = [c for c in CLASSES if not self.tried[c]]
+        valid = {s: n for s, n in self.statuses.get("valid", {}).items()  # (5xx, 0 and errors: counted below)
+                 if s.isdigit() and 0 < int(s) < 500 and s != "200"}
+        dropped = sum(n for by in self.statuses.values() for s, n in by.items() if s.startswith("error:"))
+        shed = sum(by.get("503", 0) for by in self.statuses.values())
+        rss = (d["rss_mb_before"], d["rss_mb_after"])
+        checks = [(untried, f"classes not tried: {', '.join(untried)}"),
+                  (valid, f"valid requests answered {valid}"), (dropped, f"{dropped} dropped connection(s)"),
+                  (shed, f"{shed} answer(s) 503"), (self.server_errors, f"{self.server_errors} 5xx answer(s)"),
+                  (self.hung, f"{self.hung} request(s) unanswered"),
+                  (d["failed_steps"], f"{d['failed_steps']} failed step(s)"),
+                  (d["engine_deaths"], "the engine died or the replica was replaced"),
+                  (any(d["leaked"].values()), f"left behind: {d['leaked']}"),
+                  (None not in rss and rss[1] - rss[0] > self.rss_budget_mb,
+                   f"RSS grew {rss[0]} -> {rss[1]} MB (budget {self.rss_budget_mb:g} MB)"),
+                  (not self.probe_unchanged, "the greedy probe decoded otherwise")]
+        return [why for failed, why in checks if failed]
+
     def ok(self) -> bool:
-        d = self.as_dict()
-        return (not self.server_errors and not self.hung and not d["engine_deaths"] and self.probe_unchanged
-                and not any(d["leaked"].values()))
+        return not self.problems()
 
 
 def valid_body(rng: random.Random, prompts: list[str]) -> tuple[str, dict]:
@@ -121,7 +145,7 @@ async def _send(client, url: str, raw: bytes, headers: dict, leave: float | None
                 await asyncio.wait_for(go(), leave)
             return "left"
         return await asyncio.wait_for(go(), timeout)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         return 0
     except Exception as e:  # noqa: BLE001 - a dropped connection is an outcome to report
         return f"error:{type(e).__name__}"
@@ -148,7 +172,7 @@ async def _chaos(base: str, requests: int, concurrency: int, seed: int, headers:
         by_class[str(status)] = by_class.get(str(status), 0) + 1
         if status == 0:
             report.hung += 1
-        elif isinstance(status, int) and status >= 500 and status != 503:
+        elif isinstance(status, int) and status >= 500 and status != 503:  # (503s: counted as shed in problems())
             report.server_errors += 1
 
     async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=concurrency + 2)) as client:
@@ -214,5 +238,5 @@ def summary(report: ChaosReport) -> str:
                  f"{d['leaked']['running']}/{d['leaked']['waiting']}/{d['leaked']['streams']}, RSS "
                  f"{d['rss_mb_before']} -> {d['rss_mb_after']} MB, greedy probe "
                  f"{'unchanged' if d['probe_unchanged'] else 'CHANGED'}, {d['seconds']} s: "
-                 f"{'PASS' if report.ok() else 'FAIL'}")
+                 f"{'PASS' if report.ok() else 'FAIL: ' + '; '.join(report.problems())}")
     return "\n".join(lines)

@@ -13,8 +13,8 @@ from pydantic import ValidationError
 
 from flexdraft.core.data import chat_ids
 from flexdraft.core.errors import ContextTooLong, FlexDraftError
-from flexdraft.speculative.sampling import Generation, SamplingParams
 from flexdraft.serving.protocol import ChatCompletionRequest, CompletionRequest
+from flexdraft.speculative.sampling import Generation, SamplingParams
 
 # fields OpenAI defines that FlexDraft does not serve: refused by name unless at their no-op value
 UNSUPPORTED = {
@@ -135,8 +135,11 @@ def _completion_prompt(model: CompletionRequest, tokenizer) -> list[int]:
 
 
 def _chat_prompt(model: ChatCompletionRequest, tokenizer) -> list[int]:
-    clean = [{"role": m.role, "content": m.content if isinstance(m.content, str) else
-              "".join(part.text for part in m.content)} for m in model.messages]
+    """The conversation through the model's chat template; a `developer` message is the template's `system` one
+    (chat templates know system, user and assistant)."""
+    clean = [{"role": "system" if m.role == "developer" else m.role,
+              "content": m.content if isinstance(m.content, str) else "".join(part.text for part in m.content)}
+             for m in model.messages]
     return chat_ids(tokenizer, clean)
 
 

@@ -85,7 +85,7 @@ class TextPart(_Strict):
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant"]  # developer: OpenAI's newer name for system
     content: Text | Annotated[list[TextPart], Field(max_length=1024)]
     name: Annotated[str, Field(max_length=256)] | None = None
 
@@ -98,3 +98,12 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: str | dict[str, Any] | None = None
     functions: list[Any] | None = None
     function_call: str | dict[str, Any] | None = None
+    # OpenAI's metadata that SDKs and agent frameworks send: accepted and ignored (as vLLM does); the output is the
+    # same with or without them
+    store: bool | None = None
+    metadata: Annotated[dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
+                        Field(max_length=16)] | None = None
+    service_tier: Annotated[str, Field(max_length=32)] | None = None
+    parallel_tool_calls: bool | None = None
+    prompt_cache_key: Annotated[str, Field(max_length=256)] | None = None
+    safety_identifier: Annotated[str, Field(max_length=256)] | None = None
