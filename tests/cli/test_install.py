@@ -44,7 +44,8 @@ def run(installed, *argv, timeout=300):
 
 
 def test_the_installed_package_is_not_the_checkout(installed):
-    """The fresh venv imports flexdraft from its own site-packages, and the package carries its configs."""
+    """The fresh venv imports flexdraft from its own site-packages, and the package carries its configs, its
+    licence text and metadata."""
     out = run(installed, "python", "-c", "import flexdraft, flexdraft.core.config as c; "
               "print(flexdraft.__file__); print(sorted(p.name for p in c.CONFIGS.rglob('*.yaml')))")
     assert out.returncode == 0, out.stderr
@@ -52,6 +53,11 @@ def test_the_installed_package_is_not_the_checkout(installed):
     assert str(REPO) not in where and "site-packages" in where
     for name in ("demo.yaml", "smollm2.yaml", "config.yaml", "local.yaml", "decode.yaml", "training.yaml", "full.yaml"):
         assert name in names
+    # its metadata names the licence (what `pip show flexdraft` prints) and ships the licence text
+    out = run(installed, "python", "-c", "import importlib.metadata as m; d = m.distribution('flexdraft'); "
+              "print(d.metadata['License-Expression']); print(d.metadata['Requires-Python']); "
+              "print(any(f.name == 'LICENSE' for f in d.files))")
+    assert out.stdout.split() == ["Apache-2.0", "==3.11.*", "True"], out.stdout + out.stderr
 
 
 def test_commands_run_from_outside_the_repository(installed, tiny_smollm2):

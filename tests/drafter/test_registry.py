@@ -20,6 +20,7 @@ import pytest
 from conftest import ENV, make_tiny_hf, recorded_pipeline
 from flexdraft.cli.main import main
 from flexdraft.core.config import from_dict
+from flexdraft.core.errors import FlexDraftError
 from flexdraft.drafter.recipe import PipelineConfig
 from flexdraft.training.common import run_key
 
@@ -185,12 +186,14 @@ def test_a_registered_drafter_decodes_from_its_uri_exactly_as_from_its_folder(ho
 def test_promoting_another_version_switches_what_the_alias_loads_and_its_policy_follows_the_version(
         home, model, data, tmp_path, capsys):
     """A second drafter registers as version 2 without taking champion; `drafters promote` moves champion to it and
-    `@champion` then loads version 2's weights (another cache folder). A policy attached to version 2 (as a decode
+    `@champion` then loads version 2's weights (another cache folder); a cached copy altered by one byte is
+    downloaded again, and a store holding other bytes than were registered is refused. A policy attached to version 2 (as a decode
     sweep attaches its export) loads by `--policy models:/.../2`, and is refused for version 1's weights."""
     import mlflow
+    from mlflow.tracking import MlflowClient
 
     from flexdraft.cli.serve import pin_drafter
-    from flexdraft.drafter.registry import attach_policy, lookup, resolve
+    from flexdraft.drafter.registry import TAG, attach_policy, lookup, resolve
     from flexdraft.models.loading import load_model
     from flexdraft.serving.config import ServeConfig, drafter_spec
     from flexdraft.speculative.policy_file import Band, Policy, save_policy
@@ -205,6 +208,21 @@ def test_promoting_another_version_switches_what_the_alias_loads_and_its_policy_
     assert "-> version 2 (was version 1)" in capsys.readouterr().out
     after, v = resolve(champion)
     assert v.version == "2" and after != before
+
+    # the cache is checked on every load: one byte changed on disk -> refused, removed, downloaded again
+    weights = after / "drafter.safetensors"
+    good = weights.read_bytes()
+    weights.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))
+    capsys.readouterr()
+    again, _ = resolve(champion)
+    assert again == after and weights.read_bytes() == good
+    assert f"registered {v.tag('weights_digest')}: removed, downloading them again" in capsys.readouterr().err
+    # a store whose bytes differ from what was registered is refused, in one line naming both digests
+    MlflowClient().set_model_version_tag(v.name, v.version, TAG + "weights_digest", "0" * 16)
+    with pytest.raises(FlexDraftError, match=f"have digest {v.tag('weights_digest')}, not their registered 0{{16}}"):
+        resolve(champion)
+    MlflowClient().set_model_version_tag(v.name, v.version, TAG + "weights_digest", v.tag("weights_digest"))
+    assert resolve(champion)[0] == after and weights.read_bytes() == good  # (downloaded afresh once it matches)
     user = {"drafter": champion}  # what `flexdraft serve` deploys: the alias's version now, for every replica
     pin_drafter(user)
     assert user["drafter_version"] == "2" and drafter_spec(from_dict(ServeConfig, user)) == second

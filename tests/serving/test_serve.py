@@ -63,7 +63,9 @@ def apps(ray_head, real_folder, tiny_smollm2, tiny_pipeline, tmp_path_factory):
     """Three apps of serve/config.yaml in one `serve deploy`: `tiny` at / (one replica, its drafter registered in
     the apps' MLflow store and named by `models:/flexdraft-drafter-tiny@champion`), `elastic` at /elastic (the
     tiny model with 1-2 replicas, 2 requests each, 2 queued, fast autoscaling and health checks), `real` at /real (SmolLM2).
-    -> {"tiny": the tiny model, loaded here for reference outputs}."""
+    -> {"tiny": the tiny model (loaded here for reference outputs), "config": the deployed file, "digest": the
+    tiny drafter's weights digest as registered, ...}."""
+    from flexdraft.drafter.registry import weights_digest
     from flexdraft.training.register import register_drafter
 
     root, tiny = tmp_path_factory.mktemp("serve"), tiny_smollm2
@@ -71,7 +73,9 @@ def apps(ray_head, real_folder, tiny_smollm2, tiny_pipeline, tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:  # the replicas' store: $FLEXDRAFT_HOME/mlflow.db
         mp.setenv("FLEXDRAFT_HOME", str(home))
         mp.delenv("MLFLOW_TRACKING_URI", raising=False)
-        version = register_drafter(recorded_pipeline(tiny, root, "tiny", tiny_pipeline[0].distill_dir(), seed=3))
+        source = recorded_pipeline(tiny, root, "tiny", tiny_pipeline[0].distill_dir(), seed=3)
+        digest = weights_digest(source.drafter_dir("calibration"))
+        version = register_drafter(source)
     assert version == "models:/flexdraft-drafter-tiny/1"
     cfg = yaml.safe_load((REPO / "serve" / "config.yaml").read_text())
     cfg["applications"] = [
@@ -105,7 +109,8 @@ def apps(ray_head, real_folder, tiny_smollm2, tiny_pipeline, tmp_path_factory):
     runtime = RuntimeConfig(device="cpu", dtype="float32", threads=1)
     lm = load_model(tiny, runtime)
     lm.home = home
-    yield {"tiny": lm}
+    yield {"tiny": lm, "config": root / "serve.yaml", "root": root, "model": tiny, "digest": digest,
+           "data": tiny_pipeline[0].distill_dir()}
     subprocess.run([SERVE, "shutdown", "-y", "--address", ray_head], env=ENV, capture_output=True, timeout=120)
 
 
@@ -582,3 +587,40 @@ def test_real_smollm2_through_http_equals_its_greedy_output(apps, real_lm, gsm8k
     assert out.choices[0].token_ids == ref
     streamed = client.completions.create(model=model, prompt=ids, max_tokens=24, temperature=0, stream=True)
     assert "".join(c.choices[0].text for c in streamed if c.choices) == out.choices[0].text
+
+
+def test_a_promoted_version_redeployed_is_what_the_replica_loaded(apps):
+    """The replica reports the digest of the drafter bytes it loaded (computed in the replica, not a registry tag):
+    version 1's source folder's at first; after version 2 is registered, promoted to champion and the app
+    redeployed with the alias pinned to it (as `flexdraft serve --deploy` pins it), version 2's source folder's,
+    and the replica still decodes AR's greedy output. (Runs last: the app serves version 2 afterwards.)"""
+    from flexdraft.cli.main import main
+    from flexdraft.drafter.registry import weights_digest
+    from flexdraft.training.register import register_drafter
+
+    def card() -> dict:
+        return httpx.get(f"{URL}/v1/models", headers=AUTH, timeout=10).json()["data"][0]["flexdraft"]
+
+    lm = apps["tiny"]
+    assert card()["drafter_digest"] == apps["digest"] and card()["drafter_version"].endswith("/1")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FLEXDRAFT_HOME", str(lm.home))
+        mp.delenv("MLFLOW_TRACKING_URI", raising=False)
+        source = recorded_pipeline(apps["model"], apps["root"], "tiny2", apps["data"], seed=4)
+        second = weights_digest(source.drafter_dir("calibration"))
+        assert register_drafter(source) == "models:/flexdraft-drafter-tiny/2" and second != apps["digest"]
+        assert main(["drafters", "promote", "models:/flexdraft-drafter-tiny/2", "--alias", "champion"]) == 0
+    cfg = yaml.safe_load(apps["config"].read_text())
+    cfg["applications"][0]["deployments"][0]["user_config"]["drafter_version"] = "2"
+    apps["config"].write_text(yaml.safe_dump(cfg))
+    subprocess.run([SERVE, "deploy", str(apps["config"]), "--address", "http://127.0.0.1:8265"], env=ENV,
+                   check=True, capture_output=True, timeout=120)
+    deadline = time.time() + 120
+    while card().get("drafter_digest") != second:
+        assert time.time() < deadline, card()
+        time.sleep(1)
+    assert card()["drafter_version"].endswith("/2")
+    ids = lm.tokenizer("The capital of France is")["input_ids"]
+    r = httpx.post(f"{URL}/v1/completions", headers=AUTH, timeout=60,
+                   json={"prompt": ids, "max_tokens": 12, "temperature": 0, "return_token_ids": True})
+    assert r.json()["choices"][0]["token_ids"] == greedy(lm, ids, 12)

@@ -21,6 +21,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from flexdraft.core import logs
 from flexdraft.core.config import data_dir
 from flexdraft.core.errors import FlexDraftError
 from flexdraft.core.tracking import tracking_uri
@@ -39,6 +40,8 @@ def registered_name(base_model: str) -> str:
     """The registered model of drafters for one target: `flexdraft-drafter-<target name>` (lower-case, [a-z0-9-])."""
     stem = Path(base_model).name.removesuffix(".gguf") if "/" in base_model or base_model.endswith(".gguf") else base_model
     return "flexdraft-drafter-" + (re.sub(r"[^a-z0-9]+", "-", stem.lower()).strip("-") or "model")
+
+log = logs.get("registry")
 
 
 def weights_digest(folder: Path) -> str:
@@ -144,7 +147,8 @@ def resolve(ref: str, base_fingerprint: str | None = None) -> tuple[Path, Versio
     """A drafter reference -> (the local folder to load, its registered version or None for a folder).
     base_fingerprint: the loaded target's (`Transformer.fingerprint`); a version registered for other weights is
     refused before its download. A version is downloaded once, into a folder keyed by name and version, and its
-    weights are checked against the digest it was registered with."""
+    weights are checked against the digest it was registered with, cached or not: a cached copy that differs (a
+    byte changed on disk) is removed and downloaded again, a download that differs is refused."""
     if not is_model_uri(ref):
         return Path(ref).expanduser(), None
     v = lookup(ref)
@@ -154,36 +158,47 @@ def resolve(ref: str, base_fingerprint: str | None = None) -> tuple[Path, Versio
                              f"fingerprint {theirs}; the loaded target's is {base_fingerprint}")
     cache = data_dir() / "registry" / v.name / v.version
     folder = cache / "artifacts" / ARTIFACT
-    if not (folder / "drafter.json").is_file():
-        import mlflow
-
-        tmp = cache.with_name(f"{cache.name}.tmp-{os.getpid()}")  # replicas sharing a cache download side by side
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        try:
-            mlflow.set_tracking_uri(tracking_uri())
-            mlflow.artifacts.download_artifacts(f"{SCHEME}{v.name}/{v.version}", dst_path=str(tmp))
-        except Exception as e:  # noqa: BLE001 - any store or network failure is the user's one-line error
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise FlexDraftError(f"could not download {v.uri}: {type(e).__name__}: {str(e).splitlines()[0][:300]}") from None
-        if not (tmp / "artifacts" / ARTIFACT / "drafter.json").is_file():
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise FlexDraftError(f"{v.uri} holds no drafter (expected artifacts/{ARTIFACT}/drafter.json): "
-                                 "was it registered by `flexdraft pipeline`?")
-        try:
-            tmp.rename(cache)
-        except OSError:  # another process finished first (or a broken copy is in the way: replaced)
-            if not (folder / "drafter.json").is_file():
-                shutil.rmtree(cache, ignore_errors=True)
-                tmp.rename(cache)
-            else:
-                shutil.rmtree(tmp, ignore_errors=True)
     want = v.tag("weights_digest")
-    if want and weights_digest(folder) != want:
+    if (folder / "drafter.json").is_file() and want and (have := weights_digest(folder)) != want:
+        log.warning(f"the cached weights of {v.uri} ({cache}) have digest {have}, registered {want}: "
+                    "removed, downloading them again")
         shutil.rmtree(cache, ignore_errors=True)
-        raise FlexDraftError(f"the downloaded weights of {v.uri} do not match their registered digest {want}; "
-                             "the cached copy was removed, run again to download it afresh")
+    if not (folder / "drafter.json").is_file():
+        _download(v, cache)
+        if want and (have := weights_digest(folder)) != want:
+            shutil.rmtree(cache, ignore_errors=True)
+            raise FlexDraftError(f"the downloaded weights of {v.uri} have digest {have}, not their registered "
+                                 f"{want}: refused (the store holds other bytes than were registered)")
     return folder, v
+
+
+def _download(v: Version, cache: Path) -> None:
+    """Version `v`'s artifacts into `cache` (through a side folder: replicas sharing a cache download side by
+    side, and a broken copy in the way is replaced)."""
+    import mlflow
+
+    folder = cache / "artifacts" / ARTIFACT
+    tmp = cache.with_name(f"{cache.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        mlflow.set_tracking_uri(tracking_uri())
+        mlflow.artifacts.download_artifacts(f"{SCHEME}{v.name}/{v.version}", dst_path=str(tmp))
+    except Exception as e:  # noqa: BLE001 - any store or network failure is the user's one-line error
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise FlexDraftError(f"could not download {v.uri}: {type(e).__name__}: {str(e).splitlines()[0][:300]}") from None
+    if not (tmp / "artifacts" / ARTIFACT / "drafter.json").is_file():
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise FlexDraftError(f"{v.uri} holds no drafter (expected artifacts/{ARTIFACT}/drafter.json): "
+                             "was it registered by `flexdraft pipeline`?")
+    try:
+        tmp.rename(cache)
+    except OSError:  # another process finished first (or a broken copy is in the way: replaced)
+        if not (folder / "drafter.json").is_file():
+            shutil.rmtree(cache, ignore_errors=True)
+            tmp.rename(cache)
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def list_versions(name: str | None = None) -> list[Version]:

@@ -66,7 +66,7 @@ class ChaosReport:
         (a connection error), shed (503), answered 5xx or not at all; a step failed; the engine died; a row,
         waiting request or stream was left; the RSS grew past its budget; the probe decoded otherwise; or a
         class was never tried (the time ran out first)."""
-        d, found = self.as_dict(), []
+        d = self.as_dict()
         untried = [c for c in CLASSES if not self.tried[c]]
         valid = {s: n for s, n in self.statuses.get("valid", {}).items()  # (5xx, 0 and errors: counted below)
                  if s.isdigit() and 0 < int(s) < 500 and s != "200"}
