@@ -50,6 +50,31 @@ def test_speculative_greedy_equals_ar_greedy(tiny, drafters, batch, mode, extra)
         assert taus["trained"] > taus["random"]  # the training fixture really trains
 
 
+@pytest.mark.parametrize("mode,extra", MODES, ids=[f"{m}-{'-'.join(map(str, e.values())) or 'all'}" for m, e in MODES])
+def test_ignore_eos_and_stop_token_ids_end_rows_where_ar_ends_them(tiny, drafters, mode, extra):
+    """vLLM's ending extensions, per request, in every mode while it speculates: ignore_eos runs a row past the
+    model's EOS to max_new_tokens, stop_token_ids end a row at the first such token (kept); the tokens are AR
+    greedy's under the same params, rows of either kind and plain ones side by side in one batch."""
+    prompts = ragged_prompts(6, seed=21)
+    plain = SamplingParams(max_new_tokens=24)
+    free = generate(tiny, prompts, plain)  # (no EOS: which tokens the rows emit)
+    eos = free[0].token_ids[6]
+    stop = next(tok for tok in free[2].token_ids[3:] if tok != eos)
+    kinds = [plain, SamplingParams(max_new_tokens=24, ignore_eos=True),
+             SamplingParams(max_new_tokens=24, stop_token_ids=(stop, 10 ** 6))]
+    params = [kinds[i % 3] for i in range(len(prompts))]
+    ref = [generate(tiny, [p], sp, eos_token_ids=[eos])[0].token_ids for p, sp in zip(prompts, params)]
+    assert any(len(r) < 24 for r in ref[::3]) and all(len(r) == 24 for r in ref[1::3])
+    assert any(r[-1] == stop and len(r) < 24 for r in ref[2::3])
+    engine = Engine(tiny, drafters["trained"], EngineConfig(mode=mode, max_batch=4, max_len=96, **extra),
+                    eos_token_ids=[eos])
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    while engine.has_work():
+        engine.step()
+    assert [engine.result(i).token_ids for i in ids] == ref
+    assert engine.totals.num_target_forwards < sum(map(len, ref))  # (it speculated)
+
+
 @pytest.mark.parametrize("mode,extra", MODES[:4], ids=["sequential", "parallel", "parallel-pruned", "tree"])
 @pytest.mark.parametrize("wrong", [False, True], ids=["always-right", "always-wrong"])
 def test_lossless_with_adversarial_and_perfect_drafts(tiny, drafters, mode, extra, wrong):

@@ -340,6 +340,9 @@ def test_a_policy_in_user_config_owns_its_knobs_and_live_changes_leave_them(part
     ({"messages": [{"role": "user", "content": "hi"}], "metadata": {str(i): "v" for i in range(17)}}, True, 400,
      "metadata"),
     ({"prompt": "hi", "store": False}, False, 400, "store"),  # (a chat field: the completions API has none)
+    ({"prompt": "hi", "ignore_eos": "yes"}, False, 400, "ignore_eos"),
+    ({"prompt": "hi", "stop_token_ids": [-1]}, False, 400, "stop_token_ids"),
+    ({"prompt": "hi", "stop_token_ids": list(range(65))}, False, 400, "stop_token_ids"),
     # values of the right JSON type that the layers beneath cannot take
     ({"prompt": "hi", "seed": 2 ** 70}, False, 400, "seed"),  # torch.Generator.manual_seed overflows
     ({"prompt": "hi", "temperature": float("nan")}, False, 400, "temperature"),  # Python's JSON reads NaN
@@ -388,6 +391,8 @@ def test_requests_parse_to_the_prompt_ids_the_engine_decodes(real_lm):
             ({}, {"flexdraft": {"speculation": False}}, {"flexdraft": {"num_speculative_tokens": 2}},
              {"flexdraft": {"speculation": False, "num_speculative_tokens": 2}})]
     assert caps == [None, 0, 2, 0]  # the flexdraft extension -> the engine's per-request draft cap
+    req = parse_request({"prompt": "hi", "ignore_eos": True, "stop_token_ids": [7, 9]}, False, "m", tok, 512, 16)
+    assert req.params.ignore_eos and req.params.stop_token_ids == (7, 9)  # vLLM's extensions -> the engine's
 
 
 @pytest.mark.real_model

@@ -76,7 +76,7 @@ def generate(model: Transformer, prompts: list[list[int]], params: SamplingParam
     lens = [len(prompts[i]) for i in order]
     max_len = min(context, lens[0] + params.max_new_tokens)
     cache = model.new_cache(B, max_len)
-    eos = torch.tensor(sorted(set(eos_token_ids)) or [-1], device=device)
+    eos = torch.tensor(sorted(params.stop_ids(eos_token_ids)) or [-1], device=device)
     generator = make_generator(params, device)
 
     h_last = prefill(model, cache, [prompts[i] for i in order])

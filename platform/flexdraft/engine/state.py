@@ -54,12 +54,14 @@ class Request:
     acceptance: RowAcceptance = field(default_factory=RowAcceptance)
 
     def emit(self, tokens: list[int], eos: set[int]) -> list[int]:
-        """Append tokens, cut at EOS or max_new_tokens -> the tokens kept (the request finishes there)."""
+        """Append tokens, cut at a stop token (the model's EOS unless ignore_eos, and stop_token_ids) or
+        max_new_tokens -> the tokens kept (the request finishes there)."""
         room = self.params.max_new_tokens - len(self.tokens)
+        stop = self.params.stop_ids(eos)
         emitted = []
         for t in tokens[:room]:
             emitted.append(t)
-            if t in eos:
+            if t in stop:
                 self.finish_reason = "eos"
                 break
         self.tokens.extend(emitted)

@@ -105,7 +105,8 @@ def parse_request(body, chat: bool, served_model: str, tokenizer, max_tokens_lim
                                 temperature=1.0 if model.temperature is None else float(model.temperature),
                                 top_p=1.0 if model.top_p is None else float(model.top_p),
                                 top_k=max(model.top_k or 0, 0), seed=model.seed,
-                                max_draft_tokens=_draft_cap(model.flexdraft))
+                                max_draft_tokens=_draft_cap(model.flexdraft), ignore_eos=model.ignore_eos,
+                                stop_token_ids=tuple(model.stop_token_ids or ()))
     except FlexDraftError as e:  # (the schema's bounds are the engine's: this is a second line of defence)
         raise APIError(400, str(e)) from None
     stop = [model.stop] if isinstance(model.stop, str) else list(model.stop or [])

@@ -60,6 +60,10 @@ class _Sampling(_Strict):
     stream_options: StreamOptions | None = None
     user: Annotated[str, Field(max_length=256)] | None = None
     return_token_ids: bool = Field(False, description="FlexDraft extension: the generated token ids per choice")
+    ignore_eos: bool = Field(False, description="vLLM extension: the model's end-of-sequence token does not end the "
+                                                "answer (it runs to max_tokens; benchmark clients send it)")
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0, lt=2 ** 31)]], Field(max_length=64)] | None = Field(
+        None, description="vLLM extension: more token ids that end the answer (the id stays in token_ids)")
     flexdraft: SpeculationOptions | None = None
     # OpenAI fields FlexDraft does not serve: refused unless at their no-op value (openai_api.UNSUPPORTED)
     n: int | None = None

@@ -21,6 +21,9 @@ class SamplingParams:
     top_p: float = 1.0  # 1 = off
     seed: int | None = None
     max_draft_tokens: int | None = None  # at most this many drafts verified per step (0: no speculation; None: no cap)
+    # when a request ends (what it emits, never which token it draws): vLLM's extensions
+    ignore_eos: bool = False  # the model's end-of-sequence tokens do not end it (it runs to max_new_tokens)
+    stop_token_ids: tuple[int, ...] = ()  # more tokens that end it, kept as its last token like an EOS
 
     def __post_init__(self):
         def number(name, value, integer=False):
@@ -44,6 +47,8 @@ class SamplingParams:
             number("max_draft_tokens", self.max_draft_tokens, integer=True)
             if self.max_draft_tokens < 0:
                 raise FlexDraftError(f"max_draft_tokens must be >= 0 (0: no speculation), got {self.max_draft_tokens}")
+        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.stop_token_ids):
+            raise FlexDraftError(f"stop_token_ids must be token ids (integers >= 0), got {list(self.stop_token_ids)}")
         if self.seed is not None:
             number("seed", self.seed, integer=True)
             if not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
@@ -52,6 +57,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS
+
+    def stop_ids(self, eos) -> set[int]:
+        """The tokens that end this request, given the model's end-of-sequence ids."""
+        return (set() if self.ignore_eos else set(eos)) | set(self.stop_token_ids)
 
 
 def _vocab_chunks(x: torch.Tensor) -> torch.Tensor | None:
