@@ -13,6 +13,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 UV := $(VENV)/bin/uv pip install --python $(PY) -q -c constraints.txt
 UV_VERSION := 0.13.9
+PIP_VERSION := 26.3  # (a pip that shows PEP 639 licence metadata: `pip show flexdraft`)
 # this machine's pip config lists local indexes that may be absent: hide pip's warnings about them
 QUIET := 2>&1 | { grep -v 'is ignored: it is neither a file nor a directory' || true; }
 STAMP := $(VENV)/.installed
@@ -34,8 +35,8 @@ install: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt data-packages.txt
 	@$(call check_python,$(if $(wildcard $(PY)),$(PY),$(PYTHON)))
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@echo "[setup 1/3] torch 2.13.0 (CPU build, pinned by constraints.txt), uv $(UV_VERSION), setuptools"
-	@$(PIP) install -c constraints.txt torch==2.13.0 uv==$(UV_VERSION) setuptools $(QUIET)
+	@echo "[setup 1/3] torch 2.13.0 (CPU build, pinned by constraints.txt), uv $(UV_VERSION), setuptools, pip"
+	@$(PIP) install -c constraints.txt torch==2.13.0 uv==$(UV_VERSION) setuptools pip==$(PIP_VERSION) $(QUIET)
 	@echo "[setup 2/3] deepspeed 0.19.8, built against that torch"
 	@DS_BUILD_SHM_COMM=1 $(UV) --no-build-isolation deepspeed==0.19.8
 	@echo "[setup 3/3] flexdraft and its pinned dependencies (Ray, transformers, MLflow), the model and data packages"
