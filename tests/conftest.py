@@ -17,10 +17,10 @@ os.environ.setdefault("FLEXDRAFT_VERBOSE", "1")
 torch.set_num_threads(1)
 
 
-# the test files that share one `ray start --head` (ray_head) and Serve's port 8000: under pytest-xdist they run on
-# one worker, in order. (tests/cluster/test_cluster.py's default test brings up its own cluster on ports of its
-# own, so it runs beside them on the other worker; its opt-in workload tests run alone, `-m cluster`.)
-RAY_FILES = ("test_jobs.py", "test_sweep.py", "test_serve.py")
+# the test files that use a Ray cluster: they share one `ray start --head` (ray_head) or start Ray nodes of their
+# own (the local cluster's, on ports of its own: started beside the others on 2 cores, its nodes time out joining),
+# so under pytest-xdist they run on one worker, in order
+RAY_FILES = ("test_jobs.py", "test_sweep.py", "test_serve.py", "test_cluster.py")
 
 
 def pytest_xdist_make_scheduler(config, log):

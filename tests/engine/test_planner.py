@@ -84,6 +84,33 @@ def on_fake_clock(engine: Engine, cost) -> FakeClock:
     return clock
 
 
+def planned_modes(tiny, drafter, cost, wrong: bool, steps: int, prompts, before_step=lambda done: None) -> list:
+    """An adaptive engine of 2 rows (no parallel, trees or lookup) profiled and timed on a fake clock by
+    cost(kind, rows, tokens per row), drafting the AR reference (wrong: a token that never matches), kept full
+    of requests for `steps` decoding steps -> the mode of each; every finished request equals AR greedy.
+    before_step(steps done so far) may change the costs."""
+    engine = Engine(tiny, drafter, EngineConfig(mode="adaptive", switch_batch=0, tree_nodes=0, lookup=0,
+                                                max_batch=2, max_len=128))
+    engine.profile(rounds=1, timer=lambda kind, n, T, m: cost(kind, n, T))
+    params = SamplingParams(max_new_tokens=24)
+    ref = {tuple(p): g.token_ids for p, g in zip(prompts, generate(tiny, prompts, params))}
+    engine.proposer = OracleProposer(engine, ref, wrong=wrong)
+    on_fake_clock(engine, cost)
+    pending, ids, modes = list(prompts), {}, []
+    while len(modes) < steps:
+        while len(engine.slots) + len(engine.waiting) < 2:
+            prompt = pending.pop(0)
+            pending.append(prompt)
+            ids[engine.add_request(prompt, params)] = prompt
+        before_step(len(modes))
+        s = engine.step().stats
+        if not s.admitted:
+            modes.append(s.mode)
+        for rid in [r for r in ids if r in engine.finished]:
+            assert engine.result(rid).token_ids == ref[tuple(ids.pop(rid))]
+    return modes
+
+
 def test_learned_costs_follow_an_injected_change_and_the_planner_returns_when_it_pays(tiny, drafters):
     """On a fake clock, with drafts that are always right: verifying drafts cheap -> sequential steps; verify
     forwards 5x dearer from step 60 (AR then pays) -> AR steps within 25 steps (the profile still says cheap),
@@ -91,26 +118,11 @@ def test_learned_costs_follow_an_injected_change_and_the_planner_returns_when_it
     fades, the planner re-tries, measures, goes back). Greedy outputs equal AR greedy throughout."""
     verify = {"extra": 0.001}
     cost = lambda kind, n, T: 0.002 * n if kind == "draft" else 0.01 * n + (verify["extra"] * n if T > 1 else 0)  # noqa: E731
-    engine = Engine(tiny, drafters["trained"], EngineConfig(mode="adaptive", switch_batch=0, tree_nodes=0, lookup=0,
-                                                            max_batch=2, max_len=128))
-    engine.profile(rounds=1, timer=lambda kind, n, T, m: cost(kind, n, T))
-    prompts = ragged_prompts(40, seed=5)
-    params = SamplingParams(max_new_tokens=24)
-    ref = {tuple(p): g.token_ids for p, g in zip(prompts, generate(tiny, prompts, params))}
-    engine.proposer = OracleProposer(engine, ref, wrong=False)
-    on_fake_clock(engine, cost)
-    pending, ids, modes = list(prompts), {}, []
-    while len(modes) < 450:
-        while len(engine.slots) + len(engine.waiting) < 2:
-            prompt = pending.pop(0)
-            pending.append(prompt)
-            ids[engine.add_request(prompt, params)] = prompt
-        verify["extra"] = 0.05 if 60 <= len(modes) < 200 else 0.001
-        s = engine.step().stats
-        if not s.admitted:
-            modes.append(s.mode)
-        for rid in [r for r in ids if r in engine.finished]:
-            assert engine.result(rid).token_ids == ref[tuple(ids.pop(rid))]
+
+    def inject(done: int) -> None:
+        verify["extra"] = 0.05 if 60 <= done < 200 else 0.001
+
+    modes = planned_modes(tiny, drafters["trained"], cost, False, 450, ragged_prompts(40, seed=5), inject)
     assert modes[:60].count("sequential") > 50
     switched = next(i for i in range(60, 200) if modes[i] == "ar")
     assert switched - 60 <= 25 and modes[switched + 5:200].count("ar") > 0.9 * len(modes[switched + 5:200])
@@ -123,25 +135,7 @@ def test_drafts_that_are_always_wrong_make_the_planner_take_ar_steps(tiny, draft
     leave nothing to gain: after a few steps to learn that, over 90% of steps are AR (the rest probes whether
     acceptance came back), new requests included; greedy outputs equal AR greedy."""
     cost = lambda kind, n, T: 0.002 * n if kind == "draft" else 0.01 * n + (0.0005 * n if T > 1 else 0)  # noqa: E731
-    engine = Engine(tiny, drafters["trained"], EngineConfig(mode="adaptive", switch_batch=0, tree_nodes=0, lookup=0,
-                                                            max_batch=2, max_len=128))
-    engine.profile(rounds=1, timer=lambda kind, n, T, m: cost(kind, n, T))
-    prompts = ragged_prompts(12, seed=7)
-    params = SamplingParams(max_new_tokens=24)
-    ref = {tuple(p): g.token_ids for p, g in zip(prompts, generate(tiny, prompts, params))}
-    engine.proposer = OracleProposer(engine, ref, wrong=True)
-    on_fake_clock(engine, cost)
-    pending, ids, modes = list(prompts), {}, []
-    while len(modes) < 200:
-        while len(engine.slots) + len(engine.waiting) < 2:
-            prompt = pending.pop(0)
-            pending.append(prompt)
-            ids[engine.add_request(prompt, params)] = prompt
-        s = engine.step().stats
-        if not s.admitted:
-            modes.append(s.mode)
-        for rid in [r for r in ids if r in engine.finished]:
-            assert engine.result(rid).token_ids == ref[tuple(ids.pop(rid))]
+    modes = planned_modes(tiny, drafters["trained"], cost, True, 200, ragged_prompts(12, seed=7))
     assert modes[:10].count("sequential") >= 1  # (it tried: the profile alone says drafts pay)
     assert modes[20:].count("ar") > 0.9 * len(modes[20:]), modes
 

@@ -296,7 +296,24 @@ FIELDS = {  # OpenAI's fields with in-range, out-of-range and wrong-typed values
 PROMPT = st.text(max_size=40) | st.lists(st.integers(-3, 50_000), max_size=10) | ANY
 MESSAGES = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "robot"]),
                                            "content": st.text(max_size=30) | ANY}), max_size=3) | ANY
+VALID_FIELDS = {  # in range: the server must answer 200
+    "max_tokens": st.integers(1, 24), "temperature": st.sampled_from([0, 1e-300, 0.7, 1.0]),
+    "top_p": st.floats(0.05, 1), "top_k": st.integers(-1, 50), "seed": st.integers(-(2 ** 63), 2 ** 63 - 1),
+    "stop": st.text(min_size=1, max_size=3) | st.lists(st.text(min_size=1, max_size=3), max_size=4),
+    "stream": st.booleans(), "return_token_ids": st.booleans(),
+    "flexdraft": st.fixed_dictionaries({}, optional={"speculation": st.booleans(),
+                                                     "num_speculative_tokens": st.integers(0, 64)}),
+}
+VALID_PROMPT = st.text(min_size=1, max_size=40) | st.lists(st.integers(3, 40_000), min_size=1, max_size=10)
+VALID_MESSAGES = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "developer"]),
+                                                 "content": st.text(min_size=1, max_size=30)}), min_size=1, max_size=3)
+VALID = st.one_of(
+    st.tuples(st.just("/v1/completions"), st.fixed_dictionaries({"prompt": VALID_PROMPT}, optional=VALID_FIELDS)),
+    st.tuples(st.just("/v1/chat/completions"), st.fixed_dictionaries({"messages": VALID_MESSAGES},
+                                                                       optional=VALID_FIELDS)))
 REQUESTS = st.one_of(
+    VALID,
+    VALID.map(lambda request: (request[0], {**request[1], "model": "gpt-4"})),  # another model's name: 404
     st.tuples(st.just("/v1/completions"), st.fixed_dictionaries({"prompt": PROMPT}, optional=FIELDS)),
     st.tuples(st.just("/v1/chat/completions"), st.fixed_dictionaries({"messages": MESSAGES}, optional=FIELDS)),
     st.tuples(st.sampled_from(["/v1/completions", "/v1/chat/completions"]), st.binary(max_size=64)),
