@@ -169,3 +169,18 @@ def test_vllm_peer_decodes_what_our_ar_decodes(tmp_path, mlflow_uri, real_folder
         assert r["mismatched_rows"] == 0 and r["speedup_peer"] > 0 and r["tokens"] > 0, r
     md = (tmp_path / "out" / "results.md").read_text()
     assert "`vllm` (vLLM 0.32.0" in md and "over the best peer" in md
+
+
+def test_the_progress_estimate_prices_each_batch_size_at_its_own_pace():
+    """Left cells of a batch size that already ran are priced at that batch size's measured pace, others at the
+    pace of all cells so far, in cell_work units (a batch-16 cell of 16 prompts weighs more than a batch-1 cell of
+    4); nothing is said before a cell ran."""
+    from flexdraft.evaluation.harness import _eta, cell_work
+
+    b1, b16 = cell_work(4, 1, 48), cell_work(16, 16, 48)
+    assert b16 > b1
+    assert _eta({}, [(1, b1)]) == ""
+    # one batch-1 cell took 60 s: another batch-1 cell 60 s, a batch-16 cell at the same pace per unit of work
+    assert _eta({1: (60.0, b1)}, [(1, b1), (16, b16)]) == f", ~{(60 + 60 * b16 / b1) / 60:.1f} min left"
+    # once a batch-16 cell ran (fast: 10 s), the next one is priced at its pace, not the batch-1 cells'
+    assert _eta({1: (120.0, 2 * b1), 16: (10.0, b16)}, [(16, b16)]) == ", ~0.2 min left"

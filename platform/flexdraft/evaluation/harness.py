@@ -121,16 +121,21 @@ class HarnessConfig:
 
 
 def cell_work(prompts: int, batch: int, max_new_tokens: int) -> float:
-    """A cell's decoding work per method in one-row steps: its batches' steps, a step of b rows weighted as
-    1 + (b - 1) / 15 one-row steps (a 16-row step costs about two 1-row steps on the CPUs measured,
-    docs/results/2026-12-06-roofline). Cells of different batch sizes differ by 5x or more in time, so the
-    progress estimate counts this, not cells."""
-    return math.ceil(prompts / batch) * max_new_tokens * (1 + (batch - 1) / 15)
+    """A cell's decoding work per method in one-row steps: its batches' steps, a step of b rows (with its share of
+    the batch's prefill) weighed as 1 + (b - 1) / 3 one-row steps (configs/bench/demo.yaml on 2 cores: a 16-prompt
+    batch-16 cell takes 1.1-1.7x a 4-prompt batch-1 cell). Cells of different batch sizes differ by several times in
+    work, so the progress estimate counts this, not cells."""
+    return math.ceil(prompts / batch) * max_new_tokens * (1 + (batch - 1) / 3)
 
 
-def _eta(seconds: float, done: float, left: float) -> str:
-    """", ~N min left" at the pace of the work done so far (a progress line's estimate; "" before any)."""
-    return f", ~{seconds / done * left / 60:.1f} min left" if done else ""
+def _eta(done: dict[int, tuple[float, float]], left: list[tuple[int, float]]) -> str:
+    """", ~N min left" for the cells `left` ((batch, work) each) at the pace measured so far: of cells of the same
+    batch size where one ran (done: batch -> (seconds, work)), else of all cells; "" before any ran."""
+    if not done:
+        return ""
+    seconds, work = map(sum, zip(*done.values()))
+    pace = {b: s / w for b, (s, w) in done.items()}
+    return f", ~{sum(pace.get(b, seconds / work) * w for b, w in left) / 60:.1f} min left"
 
 
 def load_harness_config(path: str | Path) -> HarnessConfig:
@@ -401,12 +406,12 @@ def run_harness(cfg: HarnessConfig) -> dict:
         mlflow.set_tags({f"flexdraft.{k}": v for k, v in provenance(choice).items()})
         work = {(b, d): cell_work(len(prompts[d][:max(cfg.samples, b)]), b, cfg.max_new_tokens)
                 for b in cfg.batch_sizes for d in datasets}
-        seconds = done = 0.0  # time in cells (not building engines) and the work it did
+        done: dict[int, tuple[float, float]] = {}  # batch size -> time in its cells (not building engines), work
         for bi, batch in enumerate(cfg.batch_sizes):
             engines = _engines(lm, choice, store, cfg, batch, max_len)
             for di, d in enumerate(datasets):
                 cell, k = prompts[d][:max(cfg.samples, batch)], bi * len(datasets) + di
-                eta = _eta(seconds, done, sum(work.values()) - done)
+                eta = _eta(done, [(b, w) for (b, dd), w in list(work.items())[k:]])
                 log.info(f"{k + 1}/{cells}: {d}, batch {batch}, {len(cell)} prompts, "
                          f"<= {cfg.max_new_tokens} new tokens each{eta}")
                 t_cell = time.perf_counter()
@@ -418,7 +423,8 @@ def run_harness(cfg: HarnessConfig) -> dict:
                         tag = f"{d}.{row['method']}.b{batch}"
                         keys = ("tok_s", "speedup_ar", "speedup_peer", "tau", "mismatched_rows")
                         mlflow.log_metrics({f"{k}.{tag}": row[k] for k in keys if row[k] is not None})
-                seconds, done = seconds + time.perf_counter() - t_cell, done + work[batch, d]
+                s, w = done.get(batch, (0.0, 0.0))
+                done[batch] = (s + time.perf_counter() - t_cell, w + work[batch, d])
         profile = step_profile(_engine(lm, choice, None, cfg, "parallel-pruned", 1, max_len), prompts[datasets[0]][0]) \
             if cfg.profile and "parallel-pruned" in cfg.methods else ""
         m = lm.model
