@@ -141,7 +141,7 @@ class Engine:
         self.check_request(prompt, params)
         V = self.target.args.vocab_size
         req = Request(next(self._ids), prompt, params, make_generator(params, self.target.device),
-                       index=NgramIndex(prompt, self.lookup) if self.lookup else None)
+                       index=NgramIndex(prompt, self.lookup) if self.lookup else None, stop=params.stop_ids(self.eos))
         if not params.greedy and self.state.q is None and self.B:
             self.state.q = torch.zeros(self.config.max_batch, self.B, V, device=self.target.device)
         self.waiting.append(req)
@@ -329,7 +329,7 @@ class Engine:
         first = self._sampling(new).sample(self.target.logits(h))  # [k]
         self.state.bonus[rows] = first
         self.state.ndrafts[rows] = 0
-        return {req.id: req.emit([tok], self.eos) for req, tok in zip(new, first.tolist())}
+        return {req.id: req.emit([tok]) for req, tok in zip(new, first.tolist())}
 
     def recover(self) -> Recovery:
         """After a step that raised: every request in a row goes back to the front of the waiting queue (one that
@@ -418,7 +418,7 @@ class Engine:
             req.modes[mode] = req.modes.get(mode, 0) + 1
             if mode != Mode.AR:
                 req.accepted.append(acc[r])
-            out[req.id] = req.emit(path[r][: acc[r]] + [bonus[r]], self.eos)
+            out[req.id] = req.emit(path[r][: acc[r]] + [bonus[r]])
         return out
 
     def _move_path(self, lens: torch.Tensor, drafts: Drafts, verdict: Verdict) -> torch.Tensor:

@@ -59,7 +59,9 @@ def resolve_drafter(spec: str | None, target, required: bool) -> DrafterChoice:
         return DrafterChoice(None, "", None)
     drafter = load_drafter(folder, target).to_runtime(target)
     source = f"{spec} (version {version.version})" if version and not spec.endswith(f"/{version.version}") else spec
-    digest = registry.weights_digest(folder)  # of the bytes this process loaded (what a replica reports serving)
+    # of the bytes this process loads (what a replica reports serving): a registered version's was just checked
+    # against the file by `registry.resolve`, cached or not; a folder's is hashed here
+    digest = (version and version.tag("weights_digest")) or registry.weights_digest(folder)
     return DrafterChoice(drafter, source or str(folder), read_drafter_meta(folder).get("eval"), digest, version)
 
 

@@ -52,16 +52,15 @@ class Request:
     finish_reason: str | None = None
     index: NgramIndex | None = None  # its prompt and tokens, for lookup drafts
     acceptance: RowAcceptance = field(default_factory=RowAcceptance)
+    stop: set[int] = field(default_factory=set)  # tokens that end it: params.stop_ids(the model's EOS ids)
 
-    def emit(self, tokens: list[int], eos: set[int]) -> list[int]:
-        """Append tokens, cut at a stop token (the model's EOS unless ignore_eos, and stop_token_ids) or
-        max_new_tokens -> the tokens kept (the request finishes there)."""
+    def emit(self, tokens: list[int]) -> list[int]:
+        """Append tokens, cut at a stop token or max_new_tokens -> the tokens kept (the request finishes there)."""
         room = self.params.max_new_tokens - len(self.tokens)
-        stop = self.params.stop_ids(eos)
         emitted = []
         for t in tokens[:room]:
             emitted.append(t)
-            if t in stop:
+            if t in self.stop:
                 self.finish_reason = "eos"
                 break
         self.tokens.extend(emitted)
