@@ -68,10 +68,10 @@ def test_every_path_the_docs_name_exists_and_none_points_outside_the_repository(
 RESULTS = ROOT / "docs" / "results"
 
 
-def md_tables(path: Path) -> list[list[dict[str, str]]]:
-    """Every markdown table of a file, as rows keyed by the header's cells (bold marks dropped)."""
+def md_tables(text: str) -> list[list[dict[str, str]]]:
+    """Every markdown table of a text, as rows keyed by the header's cells (bold marks dropped)."""
     tables, current, header = [], None, None
-    for line in path.read_text().splitlines() + [""]:
+    for line in text.splitlines() + [""]:
         cells = [c.replace("**", "").strip() for c in line.strip().strip("|").split("|")] if line.startswith("|") else None
         if cells is None:
             current = header = None
@@ -86,23 +86,18 @@ def md_tables(path: Path) -> list[list[dict[str, str]]]:
 def table(path: Path, first_header: str, *others: str) -> list[dict[str, str]]:
     """The file's first table whose header starts with these cells."""
     want = [first_header, *others]
-    for t in md_tables(path):
+    for t in md_tables(path.read_text()):
         if t and list(t[0])[:len(want)] == want:
             return t
     raise AssertionError(f"{path.relative_to(ROOT)}: no table with header {want}")
 
 
 def summary(path: Path, after: str) -> dict[str, list[str]]:
-    """A harness summary table (method | batch 1 | ...) that follows the line `after`: method -> its cells."""
+    """A harness summary table (method | batch 1 | ...), the first after the line `after`: method -> its cells."""
     text = path.read_text()
     assert after in text, f"{path.relative_to(ROOT)}: no '{after}'"
-    rows = []
-    for line in text[text.index(after):].splitlines()[1:]:
-        if line.startswith("|"):
-            rows.append([c.strip() for c in line.strip().strip("|").split("|")])
-        elif rows:
-            break
-    return {r[0]: r[1:] for r in rows[2:]}
+    first = md_tables(text[text.index(after):])[0]
+    return {row["method"]: [cell for key, cell in row.items() if key != "method"] for row in first}
 
 
 def mismatched(path: Path, method: str) -> tuple[int, int]:

@@ -411,7 +411,7 @@ def run_harness(cfg: HarnessConfig) -> dict:
             engines = _engines(lm, choice, store, cfg, batch, max_len)
             for di, d in enumerate(datasets):
                 cell, k = prompts[d][:max(cfg.samples, batch)], bi * len(datasets) + di
-                eta = _eta(done, [(b, w) for (b, dd), w in list(work.items())[k:]])
+                eta = _eta(done, [(b, w) for (b, _), w in list(work.items())[k:]])
                 log.info(f"{k + 1}/{cells}: {d}, batch {batch}, {len(cell)} prompts, "
                          f"<= {cfg.max_new_tokens} new tokens each{eta}")
                 t_cell = time.perf_counter()
