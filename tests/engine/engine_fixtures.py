@@ -18,10 +18,16 @@ CPU32 = RuntimeConfig(device="cpu", dtype="float32", threads=1, cpu_prepack=Fals
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny_folder(tmp_path_factory):
+    """The tiny target as a HF folder (`transformers` loads it as the independent reference)."""
     folder = tmp_path_factory.mktemp("tiny")
     make_tiny_hf("llama", folder)
-    return load_model(folder, CPU32, with_tokenizer=False).model
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_folder):
+    return load_model(tiny_folder, CPU32, with_tokenizer=False).model
 
 
 

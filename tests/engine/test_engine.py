@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import make_tiny_hf, ragged_prompts
-from engine_fixtures import CPU32, OracleProposer, ReferenceProposer, drafters, tiny  # noqa: F401 (fixtures)
+from engine_fixtures import CPU32, OracleProposer, ReferenceProposer, drafters, tiny, tiny_folder  # noqa: F401 (fixtures)
 from flexdraft.core.config import RuntimeConfig
 from flexdraft.core.errors import FlexDraftError
 from flexdraft.drafter.model import Drafter, DrafterConfig, load_drafter, parallel_forward, read_drafter_meta

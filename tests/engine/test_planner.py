@@ -6,7 +6,7 @@ import itertools
 import pytest
 
 from conftest import ragged_prompts
-from engine_fixtures import OracleProposer, drafters, tiny  # noqa: F401 (fixtures)
+from engine_fixtures import OracleProposer, drafters, tiny, tiny_folder  # noqa: F401 (fixtures)
 from flexdraft.engine.ar import generate
 from flexdraft.engine.config import EngineConfig
 from flexdraft.engine.engine import Engine

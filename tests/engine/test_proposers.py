@@ -4,7 +4,7 @@ verifier checks them like any other, and the output stays AR greedy."""
 import itertools
 
 from conftest import ragged_prompts
-from engine_fixtures import drafters, tiny  # noqa: F401 (fixtures)
+from engine_fixtures import drafters, tiny, tiny_folder  # noqa: F401 (fixtures)
 from flexdraft.engine.ar import generate
 from flexdraft.engine.config import EngineConfig
 from flexdraft.engine.engine import Engine

@@ -41,9 +41,17 @@ from flexdraft.models.transformer import Transformer
 from flexdraft.speculative.branches import AcceptanceModel, branch_anchors
 from flexdraft.speculative.drafts import Chains, Drafts, Mode, Plan, Verdict
 from flexdraft.speculative.lookup import NgramIndex, NgramStore
+from flexdraft.speculative.penalties import History, penalised
 from flexdraft.speculative.planner import LOOKUP_MARGIN, Planner
 from flexdraft.speculative.policy_file import Band, Policy
-from flexdraft.speculative.sampling import Generation, SamplingBatch, SamplingParams, make_generator
+from flexdraft.speculative.sampling import (
+    Generation,
+    SamplingBatch,
+    SamplingParams,
+    TokenLogprob,
+    make_generator,
+    token_logprobs,
+)
 from flexdraft.speculative.trees import path_slots, tree_mask
 from flexdraft.speculative.verify import rejection_sample
 
@@ -129,6 +137,9 @@ class Engine:
         bad = [t for t in prompt if not 0 <= t < V]
         if bad:
             raise FlexDraftError(f"prompt has token id {bad[0]} outside the vocabulary of {V}")
+        bad = [t for t, _ in params.logit_bias if t >= V]
+        if bad:
+            raise FlexDraftError(f"logit_bias has token id {bad[0]} outside the vocabulary of {V}")
         need = self.slots_needed(len(prompt), params.max_new_tokens)
         if need > self.config.max_len:
             raise ContextTooLong(f"prompt of {len(prompt)} tokens + max_new_tokens {params.max_new_tokens} + "
@@ -141,7 +152,8 @@ class Engine:
         self.check_request(prompt, params)
         V = self.target.args.vocab_size
         req = Request(next(self._ids), prompt, params, make_generator(params, self.target.device),
-                       index=NgramIndex(prompt, self.lookup) if self.lookup else None, stop=params.stop_ids(self.eos))
+                       index=NgramIndex(prompt, self.lookup) if self.lookup else None, stop=params.stop_ids(self.eos),
+                      logprobs=[] if params.logprobs is not None else None)
         if not params.greedy and self.state.q is None and self.B:
             self.state.q = torch.zeros(self.config.max_batch, self.B, V, device=self.target.device)
         self.waiting.append(req)
@@ -191,7 +203,7 @@ class Engine:
         t0 = self.clock()
         stats = self.stats = StepStats(IDLE, 0)  # this step's, filled as it goes
         self._done = []
-        out = self._admit()  # a step that admits ends with the first tokens: they stream after the prefill alone
+        emitted = self._admit()  # a step that admits ends with the first tokens: they stream after the prefill alone
         self._retire()
         n = len(self.slots)
         decoding = bool(n and not stats.admitted)
@@ -202,17 +214,20 @@ class Engine:
                                 device=self.target.device)
             plan = self.plan(n, caps)
             stats.mode, stats.rows, stats.block = plan.mode.value, n, plan.block
-            out = self.verify(plan, self.propose(plan, caps, batch), caps, batch)
+            emitted = self.verify(plan, self.propose(plan, caps, batch), caps, batch)
             self._retire()
         self._sync()
         stats.seconds = self.clock() - t0
+        out = {req.id: tokens for req, tokens in emitted}
+        logprobs = {req.id: req.logprobs[len(req.logprobs) - len(tokens):] for req, tokens in emitted
+                    if req.logprobs is not None}
         stats.tokens = sum(len(v) for v in out.values())
         if decoding:
             forwards = sum(stats.forward_seconds.values())
             self.costs.record_step(stats.mode, stats.seconds, forwards)
             self.planner.observe(plan, forwards)
         self.totals.observe(stats)
-        return StepOutput(out, self._done, stats)
+        return StepOutput(out, self._done, stats, logprobs)
 
     def _parallel_may_follow(self, n: int) -> bool:
         """Whether a parallel step may come at n rows (its pruning weighs the drafts' confidences)."""
@@ -276,6 +291,30 @@ class Engine:
     def _sampling(self, requests: list[Request]) -> SamplingBatch:
         return SamplingBatch.of([r.params for r in requests], [r.generator for r in requests], self.target.device)
 
+    @staticmethod
+    def _processed(logits: torch.Tensor, requests: list[Request], drafts: Drafts | None) -> torch.Tensor:
+        """logits [n, T, V] of the requests' rows -> as each request's penalties, bias and min_tokens make them
+        (`penalties.penalised`; the same tensor when no request asks for any)."""
+        rows = [i for i, r in enumerate(requests) if r.params.processes]
+        if not rows:
+            return logits
+        return penalised(logits, rows, [requests[i].params for i in rows],
+                         [History(requests[i].prompt, requests[i].tokens, requests[i].stop) for i in rows], drafts)
+
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, requests: list[Request], tokens: torch.Tensor,
+                  positions: torch.Tensor | None = None) -> dict[int, list[TokenLogprob]]:
+        """{row: the TokenLogprob of each of tokens [n, P]} for the rows whose request asks for logprobs; logits
+        [n, T, V] (raw, as the target made them), positions [n, P] the verify index that emitted each token
+        (None: 0..P-1)."""
+        rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+        if not rows:
+            return {}
+        at = torch.tensor(rows, dtype=torch.long, device=logits.device)
+        x = logits[at] if positions is None else logits[at[:, None], positions[at]]  # [s, P, V]
+        lps = token_logprobs(x, tokens[at], [requests[i].params.logprobs for i in rows])
+        return dict(zip(rows, lps))
+
     def _options(self, n: int, band: Band, first: list[int] | None) -> list[Chains]:
         """Every model-free proposer's candidate drafts for rows 0..n-1 (see `ModelFreeProposer.options`)."""
         return [o for p in self.model_free for o in p.options(self.slots[:n], band, first)]
@@ -309,27 +348,41 @@ class Engine:
         """Seed the cost model with the measured forwards the planner prices (`profiling.profile`)."""
         return profiling.profile(self, context, rounds, timer)
 
-    def _admit(self) -> dict[int, list[int]]:
-        """Prefill waiting requests into free rows (longest first) -> {id: [their next token]}. A request that
+    def _admit(self) -> list[tuple[Request, list[int]]]:
+        """Prefill waiting requests into free rows (longest first) -> (request, [its next token]) each. A request that
         comes back from `recover` prefills its prompt and the tokens it had made, and goes on from there."""
         free = self.config.max_batch - len(self.slots)
         if self.admit_limit is not None:
             free = min(free, self.admit_limit)
         if free <= 0 or not self.waiting:
-            return {}
+            return []
         new = [self.waiting.popleft() for _ in range(min(free, len(self.waiting)))]
         new.sort(key=lambda r: -(len(r.prompt) + len(r.tokens)))
+        # requests with the same tokens (the n choices of one prompt) share a prefill: the first of them is
+        # prefilled, the others' rows (after the prefilled ones) copy its cache row
+        key = lambda req: tuple(req.prompt + req.tokens)  # noqa: E731
+        firsts: dict[tuple, int] = {}  # tokens -> the index in `new` of the first request holding them
+        for i, req in enumerate(new):
+            firsts.setdefault(key(req), i)
+        unique = [new[i] for i in firsts.values()]
+        new = unique + [req for i, req in enumerate(new) if firsts[key(req)] != i]
+        prefilled = {k: j for j, k in enumerate(firsts)}
+        of = [prefilled[key(req)] for req in new]  # [k]: the prefilled row (from n0) each row copies
         n0 = len(self.slots)
         self.slots.extend(new)  # rows first: a prefill that raises leaves them to `recover`, not lost
         stats = self.stats  # a prefill step: its rows decode from the next step on
         stats.mode, stats.admitted, stats.admitted_ids = PREFILL, len(new), [r.id for r in new]
         rows = torch.arange(n0, n0 + len(new), device=self.target.device)
-        view = self.cache.rows(n0, n0 + len(new))
-        h = self.timed("prefill", lambda: prefill(self.target, view, [r.prompt + r.tokens for r in new]))
-        first = self._sampling(new).sample(self.target.logits(h))  # [k]
+        view = self.cache.rows(n0, n0 + len(unique))
+        h = self.timed("prefill", lambda: prefill(self.target, view, [r.prompt + r.tokens for r in unique]))
+        for row in range(len(unique), len(new)):
+            self.cache.copy_row(n0 + of[row], n0 + row)
+        logits = self.target.logits(h)[torch.tensor(of, device=h.device), None]  # [k, 1, V]
+        first = self._sampling(new).sample(self._processed(logits, new, None)[:, 0])  # [k]
         self.state.bonus[rows] = first
         self.state.ndrafts[rows] = 0
-        return {req.id: req.emit([tok]) for req, tok in zip(new, first.tolist())}
+        logprobs = self._logprobs(logits, new, first[:, None])
+        return [(req, req.emit([tok], logprobs.get(i))) for i, (req, tok) in enumerate(zip(new, first.tolist()))]
 
     def recover(self) -> Recovery:
         """After a step that raised: every request in a row goes back to the front of the waiting queue (one that
@@ -348,15 +401,19 @@ class Engine:
                 self.waiting.appendleft(req)
             else:
                 self.finished[req.id] = req
-        tokens = {req.id: list(req.tokens) for req in (*back, *self.finished.values())}
-        return Recovery(tokens, list(self.finished), list(self.stats.admitted_ids))
+        requests = (*back, *self.finished.values())
+        tokens = {req.id: list(req.tokens) for req in requests}
+        logprobs = {req.id: list(req.logprobs) for req in requests if req.logprobs is not None}
+        return Recovery(tokens, list(self.finished), list(self.stats.admitted_ids), logprobs)
 
     # ---------------------------------------------------------------- verification
 
-    def verify(self, plan: Plan, drafts: Drafts, caps: torch.Tensor, batch: SamplingBatch) -> dict[int, list[int]]:
+    def verify(self, plan: Plan, drafts: Drafts, caps: torch.Tensor,
+               batch: SamplingBatch) -> list[tuple[Request, list[int]]]:
         """One target forward over [bonus, nodes] of rows 0..n-1 (a parallel plan: the most probable branches ride
         along, `branch_anchors`), the rejection sampler over at most caps [n] drafts per row, the accepted path
-        committed -> {id: emitted tokens}; a parallel step's matched branches become the rows' next drafts."""
+        committed -> (request, its emitted tokens) per row; a parallel step's matched branches become the rows' next
+        drafts. The sampler judges against the logits as each request's penalties make them (`_processed`)."""
         n = drafts.rows
         lens = self.cache.lens[:n].clone()
         anchors = None
@@ -365,8 +422,8 @@ class Engine:
             anchors = branch_anchors(drafts.probs, band.rho, band.top_m, plan.branches)  # [n, m]
             self.stats.branches = float(anchors.shape[1])
         logits, hb = self._verify_forward(drafts, lens, anchors)
-        verdict = rejection_sample(logits, drafts, caps, batch)
-        out = self._commit(lens, drafts, verdict, caps, plan.block)
+        verdict = rejection_sample(self._processed(logits, self.slots[:n], drafts), drafts, caps, batch)
+        out = self._commit(lens, drafts, verdict, caps, plan.block, logits)
         if hb is not None:
             misses = self.proposer.take_branches(hb, anchors, verdict.accepted, verdict.bonus, self.slots, batch,
                                                  self.config.calibrate, self._parallel_may_follow(n))
@@ -396,21 +453,25 @@ class Engine:
         return logits, None
 
     def _commit(self, lens: torch.Tensor, drafts: Drafts, verdict: Verdict, caps: torch.Tensor,
-                block: int) -> dict[int, list[int]]:
-        """After a verify of rows 0..n-1 (old lengths lens [n]): the accepted path's keys/values sit where a
-        chain's would (a tree's are moved there), the cache keeps each row's bonus and accepted drafts, the new
-        bonus waits for the next step, and the row emits drafts + bonus -> {id: emitted tokens}."""
+                block: int, logits: torch.Tensor) -> list[tuple[Request, list[int]]]:
+        """After a verify of rows 0..n-1 (old lengths lens [n], logits [n, N + 1, V]): the accepted path's
+        keys/values sit where a chain's would (a tree's are moved there), the cache keeps each row's bonus and
+        accepted drafts, the new bonus waits for the next step, and the row emits drafts + bonus (with their
+        logprobs where asked) -> (request, emitted tokens) per row."""
         n, accepted = drafts.rows, verdict.accepted
-        path = drafts.tokens
+        path, src = drafts.tokens, None  # src [n, Bv]: the verify index of each path node (a chain: 1..N)
         if not drafts.chain:
-            path = self._move_path(lens, drafts, verdict)
+            path, src = self._move_path(lens, drafts, verdict)
+        emitted = torch.cat((path, verdict.bonus[:, None]), dim=1).scatter(1, accepted[:, None], verdict.bonus[:, None])
+        positions = None if src is None else torch.cat((src.new_zeros(n, 1), src.clamp(max=drafts.nodes)), dim=1)
+        logprobs = self._logprobs(logits, self.slots[:n], emitted, positions)  # [n, Bv + 1]: drafts, bonus at acc
         self.cache.lens[:n] = lens + accepted + 1
         self.state.bonus[:n] = verdict.bonus
         self.state.ndrafts[:n] = 0
         acc = accepted.tolist()
         kinds = [k if c else None for k, c in zip(drafts.kinds, caps.tolist())]  # (a row capped at 0: AR)
         self._count_acceptance(acc, kinds, caps.tolist(), block)
-        path, bonus, out = path.tolist(), verdict.bonus.tolist(), {}
+        path, bonus, out = path.tolist(), verdict.bonus.tolist(), []
         for r in range(n):
             req = self.slots[r]
             mode = self.stats.mode if kinds[r] is not None else Mode.AR.value
@@ -418,12 +479,14 @@ class Engine:
             req.modes[mode] = req.modes.get(mode, 0) + 1
             if mode != Mode.AR:
                 req.accepted.append(acc[r])
-            out[req.id] = req.emit(path[r][: acc[r]] + [bonus[r]])
+            lp = logprobs.get(r)
+            out.append((req, req.emit(path[r][: acc[r]] + [bonus[r]], lp[: acc[r] + 1] if lp else None)))
         return out
 
-    def _move_path(self, lens: torch.Tensor, drafts: Drafts, verdict: Verdict) -> torch.Tensor:
+    def _move_path(self, lens: torch.Tensor, drafts: Drafts, verdict: Verdict) -> tuple[torch.Tensor, torch.Tensor]:
         """A verified tree's accepted path: its nodes' keys/values moved from their slots lens + 1 + i to lens + 1..
-        lens + a, where a chain's would be -> the path's tokens [n, depth] (then, past it, any)."""
+        lens + a, where a chain's would be -> the path's tokens and their verify indices [n, depth] (then, past
+        it, any)."""
         n, Bv, dev = drafts.rows, drafts.block, self.target.device
         src = path_slots(drafts.ancestors, verdict.node, verdict.accepted, Bv)  # [n, Bv]: verify indices
         dst = torch.arange(1, Bv + 1, device=dev).expand(n, Bv)
@@ -432,7 +495,7 @@ class Engine:
         for kv in (*view.k, *view.v):  # [n, Hkv, S, D]
             kv[rows, :, lens[:, None] + dst] = kv[rows, :, lens[:, None] + src]
         tokens = torch.cat((self.state.bonus[:n, None], drafts.tokens), dim=1)
-        return tokens.gather(1, src.clamp(max=drafts.nodes))
+        return tokens.gather(1, src.clamp(max=drafts.nodes)), src
 
     def _count_acceptance(self, acc: list[int], kinds: list, caps: list[int], block: int) -> None:
         """The step's accepted drafts per verified row (stats), each request's own acceptance against the model's
@@ -467,10 +530,7 @@ class Engine:
                 self._done.append(req.id)
             last = len(self.slots) - 1
             if r != last:
-                n = int(self.cache.lens[last])
-                for k in (*self.cache.k, *self.cache.v):
-                    k[r, :, :n] = k[last, :, :n]
-                self.cache.lens[r] = self.cache.lens[last]
+                self.cache.copy_row(last, r)
                 self.state.move(last, r)
                 self.slots[r] = self.slots[last]
             self.slots.pop()

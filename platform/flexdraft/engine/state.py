@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from flexdraft.speculative.lookup import NgramIndex
-from flexdraft.speculative.sampling import Generation, GenerationStats, SamplingParams
+from flexdraft.speculative.sampling import Generation, GenerationStats, SamplingParams, TokenLogprob
 
 
 @dataclass
@@ -53,9 +53,11 @@ class Request:
     index: NgramIndex | None = None  # its prompt and tokens, for lookup drafts
     acceptance: RowAcceptance = field(default_factory=RowAcceptance)
     stop: set[int] = field(default_factory=set)  # tokens that end it: params.stop_ids(the model's EOS ids)
+    logprobs: list[TokenLogprob] | None = None  # one per token (params.logprobs set)
 
-    def emit(self, tokens: list[int]) -> list[int]:
-        """Append tokens, cut at a stop token or max_new_tokens -> the tokens kept (the request finishes there)."""
+    def emit(self, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> list[int]:
+        """Append tokens (and their logprobs, when the request asks), cut at a stop token or max_new_tokens -> the
+        tokens kept (the request finishes there)."""
         room = self.params.max_new_tokens - len(self.tokens)
         emitted = []
         for t in tokens[:room]:
@@ -64,6 +66,8 @@ class Request:
                 self.finish_reason = "eos"
                 break
         self.tokens.extend(emitted)
+        if self.logprobs is not None:
+            self.logprobs.extend(logprobs[: len(emitted)])
         if self.index is not None:
             self.index.extend(emitted)
         if self.finish_reason is None and len(self.tokens) >= self.params.max_new_tokens:
@@ -76,7 +80,7 @@ class Request:
         tau = (len(self.tokens) - 1) / self.forwards if self.forwards else 1.0
         share = {mode: count / self.forwards for mode, count in self.modes.items()}
         return Generation(self.tokens, self.finish_reason, 0.0, len(self.prompt),
-                          GenerationStats(self.accepted, tau, self.forwards, share))
+                          GenerationStats(self.accepted, tau, self.forwards, share), self.logprobs)
 
 
 def draft_caps(requests: list[Request], B: int, online: bool = True) -> list[int]:

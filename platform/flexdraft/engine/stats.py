@@ -8,6 +8,7 @@ import copy
 from dataclasses import dataclass, field
 
 from flexdraft.speculative.drafts import Mode
+from flexdraft.speculative.sampling import TokenLogprob
 
 # the step kinds that are not a decoding mode: nothing to do; prompts prefilled (their first tokens drawn); a profile
 IDLE, PREFILL, PROFILE = "idle", "prefill", "profile"
@@ -38,20 +39,24 @@ class StepStats:
 @dataclass
 class StepOutput:
     """One step's result: tokens[id] = the request's new token ids (a request admitted this step: its first);
-    finished = the requests that ended this step (EOS or length; `Engine.result` hands each over once)."""
+    finished = the requests that ended this step (EOS or length; `Engine.result` hands each over once);
+    logprobs[id] = one per new token, for the requests that ask for them."""
     tokens: dict[int, list[int]]
     finished: list[int]
     stats: StepStats
+    logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)
 
 
 @dataclass
 class Recovery:
     """What `Engine.recover` hands back after a step that raised: tokens[id] = every token each request in a row
     (or finished and not yet collected) has made, the requests among them that are finished (`Engine.result`
-    hands each over once), and the requests the failed step was admitting."""
+    hands each over once), and the requests the failed step was admitting; logprobs[id] one per token, for the
+    requests that ask for them."""
     tokens: dict[int, list[int]]
     finished: list[int]
     admitted: list[int]
+    logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)
 
 
 COUNTS = ("num_steps", "num_rows", "num_tokens", "num_drafts", "num_draft_tokens", "num_accepted_tokens")

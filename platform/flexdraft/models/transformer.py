@@ -69,6 +69,13 @@ class KVCache:
         view.max_len = self.max_len
         return view
 
+    def copy_row(self, src: int, dst: int) -> None:
+        """Row dst holds what row src holds (its cached tokens and length)."""
+        n = int(self.lens[src])
+        for kv in (*self.k, *self.v):
+            kv[dst, :, :n] = kv[src, :, :n]
+        self.lens[dst] = n
+
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Drop every row not in `rows` (e.g. finished sequences) so later steps stop paying for them."""
         self.k = [k.index_select(0, rows) for k in self.k]

@@ -11,6 +11,7 @@ from flexdraft.core.errors import FlexDraftError
 
 SAMPLING_EPS = 1e-5  # a temperature below this decodes greedily (as vLLM): logits / 1e-300 would be inf
 SEED_RANGE = (-(2 ** 63), 2 ** 64 - 1)  # what torch.Generator.manual_seed takes
+MAX_LOGPROBS = 20  # the most alternatives a request may ask per token (OpenAI's top_logprobs bound, vLLM's default)
 
 
 @dataclass
@@ -24,6 +25,13 @@ class SamplingParams:
     # when a request ends (what it emits, never which token it draws): vLLM's extensions
     ignore_eos: bool = False  # the model's end-of-sequence tokens do not end it (it runs to max_new_tokens)
     stop_token_ids: tuple[int, ...] = ()  # more tokens that end it, kept as its last token like an EOS
+    min_tokens: int = 0  # its stop tokens cannot come before this many tokens (vLLM's)
+    # what the target's distribution is processed by (speculative/penalties.py); each draft is judged against it
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token, added to its logit)
+    presence_penalty: float = 0.0  # subtracted from each token the output holds
+    frequency_penalty: float = 0.0  # times the token's count in the output, subtracted
+    repetition_penalty: float = 1.0  # a token of the prompt or output: its logit divided by this if > 0, else times
+    logprobs: int | None = None  # report each token's log-probability and this many alternatives (None: none)
 
     def __post_init__(self):
         def number(name, value, integer=False):
@@ -49,6 +57,23 @@ class SamplingParams:
                 raise FlexDraftError(f"max_draft_tokens must be >= 0 (0: no speculation), got {self.max_draft_tokens}")
         if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.stop_token_ids):
             raise FlexDraftError(f"stop_token_ids must be token ids (integers >= 0), got {list(self.stop_token_ids)}")
+        number("min_tokens", self.min_tokens, integer=True)
+        if not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise FlexDraftError(f"min_tokens must be between 0 and max_new_tokens ({self.max_new_tokens}), "
+                                 f"got {self.min_tokens}")
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+            number(name, getattr(self, name))
+        if self.repetition_penalty <= 0:
+            raise FlexDraftError(f"repetition_penalty must be > 0 (1: off), got {self.repetition_penalty}")
+        for pair in self.logit_bias:
+            ok = isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], int) and pair[0] >= 0
+            if not ok or isinstance(pair[0], bool):
+                raise FlexDraftError(f"logit_bias must hold (token id, bias) pairs, got {pair!r}")
+            number(f"logit_bias[{pair[0]}]", pair[1])
+        if self.logprobs is not None:
+            number("logprobs", self.logprobs, integer=True)
+            if not 0 <= self.logprobs <= MAX_LOGPROBS:
+                raise FlexDraftError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
         if self.seed is not None:
             number("seed", self.seed, integer=True)
             if not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
@@ -57,6 +82,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS
+
+    @property
+    def processes(self) -> bool:
+        """Whether the target's logits are processed for this request (penalties, bias or min_tokens)."""
+        return bool(self.logit_bias or self.min_tokens or self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0)
 
     def stop_ids(self, eos) -> set[int]:
         """The tokens that end this request, given the model's end-of-sequence ids."""
@@ -258,6 +289,30 @@ class Generation:
     seconds: float  # this row's share of the batch's wall time
     prompt_len: int
     stats: GenerationStats = field(default_factory=GenerationStats)
+    logprobs: list[TokenLogprob] | None = None  # per token (params.logprobs set)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """An emitted token's log-probability under the target's own distribution (raw logits: before the request's
+    penalties, temperature and top-k / top-p, as vLLM reports by default), and the most likely tokens there."""
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token, log-probability), most likely first
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, ks: list[int]) -> list[list[TokenLogprob]]:
+    """logits [s, P, V] at the positions that emitted tokens [s, P], ks [s] alternatives per row -> per row and
+    position the token's TokenLogprob with its row's top k. One host read for the batch."""
+    x = logits.float()
+    lse = x.logsumexp(-1)  # [s, P]
+    chosen = (x.gather(-1, tokens[..., None]).squeeze(-1) - lse).tolist()
+    k = max(ks)
+    top_lp, top_ids = top_logprobs(logits, k) if k else (lse[..., None][..., :0], tokens[..., None][..., :0])
+    top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
+    return [[TokenLogprob(t, lp, tuple(zip(ids[:kr], lps[:kr])))
+             for t, lp, ids, lps in zip(row_tokens, row_lp, row_ids, row_top)]
+            for row_tokens, row_lp, row_ids, row_top, kr in zip(tokens.tolist(), chosen, top_ids, top_lp, ks)]
 
 
 def make_generator(params: SamplingParams, device) -> torch.Generator | None:

@@ -1,0 +1,229 @@
+"""A request's options while the engine speculates: logprobs, penalties, logit bias and min_tokens, each against an
+independent reference (`transformers`' logits of the same weights in fp32, the penalties written out here as
+OpenAI and vLLM define them), in every mode with drafts accepted while the option is on; and the n choices of one
+prompt sharing its prefill."""
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from conftest import make_tiny_hf, ragged_prompts
+from engine_fixtures import CPU32, OracleProposer, drafters, tiny, tiny_folder  # noqa: F401 (fixtures)
+from flexdraft.core.errors import FlexDraftError
+from flexdraft.drafter.model import Drafter, DrafterConfig
+from flexdraft.engine.ar import generate
+from flexdraft.engine.config import EngineConfig
+from flexdraft.engine.engine import Engine
+from flexdraft.models.loading import load_model
+from flexdraft.speculative.sampling import SamplingParams
+from test_engine import chi_square_ok, marginal
+
+MODES = [("sequential", {}), ("parallel", {}), ("tree", {}), ("adaptive", {"switch_batch": 3}), ("lookup", {})]
+IDS = ["sequential", "parallel", "tree", "adaptive", "lookup"]
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_folder):
+    return AutoModelForCausalLM.from_pretrained(tiny_folder, dtype=torch.float32).eval()
+
+
+def hf_logits(hf, ids: list[int]) -> torch.Tensor:
+    """[len(ids), V]: transformers' logits after each token."""
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].double()
+
+
+def processed(raw: torch.Tensor, prompt: list[int], output: list[int], p: SamplingParams, stop: set[int]):
+    """The reference: raw logits [V] after the request's logit_bias and min_tokens (vLLM's logits processors),
+    then repetition (prompt and output tokens), frequency and presence (output tokens) penalties."""
+    x = raw.clone()
+    for token, bias in p.logit_bias:
+        x[token] += bias
+    if len(output) < p.min_tokens:
+        x[sorted(stop)] = float("-inf")
+    counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=len(x)).double()
+    seen = counts > 0
+    seen[prompt] = True
+    x = torch.where(seen, torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty), x)
+    return x - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).double()
+
+
+def reference_greedy(hf, prompt: list[int], p: SamplingParams, stop: set[int]) -> list[int]:
+    out: list[int] = []
+    while len(out) < p.max_new_tokens:
+        token = int(processed(hf_logits(hf, prompt + out)[-1], prompt, out, p, stop).argmax())
+        out.append(token)
+        if token in stop:
+            break
+    return out
+
+
+def run(engine: Engine, prompts, params) -> list:
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    while engine.has_work():
+        engine.step()
+    return [engine.result(i) for i in ids]
+
+
+@pytest.mark.parametrize("mode,extra", MODES, ids=IDS)
+def test_logprobs_are_the_targets_whichever_step_emitted_the_token(tiny, drafters, hf, mode, extra):
+    """Greedy and sampled rows side by side asking for 3 alternatives: each token's log-probability and its top 3
+    (ids in order, values) equal log_softmax of transformers' logits at that position (1e-4), whether the token was
+    a prefill's, an accepted draft, a lookup draft or a bonus; greedy tokens are transformers' argmax."""
+    prompts = ragged_prompts(6, seed=31)
+    params = [SamplingParams(max_new_tokens=20, logprobs=3, **({"temperature": 0.9, "seed": i} if i % 2 else {}))
+              for i in range(len(prompts))]
+    engine = Engine(tiny, drafters["trained"], EngineConfig(mode=mode, max_batch=4, max_len=96, **extra))
+    out = run(engine, prompts, params)
+    assert engine.totals.num_accepted_tokens > 0  # drafts were accepted while logprobs were on
+    for prompt, g, p in zip(prompts, out, params):
+        assert len(g.logprobs) == len(g.token_ids) == 20
+        ref = hf_logits(hf, prompt + g.token_ids)[len(prompt) - 1: -1].log_softmax(-1)  # [20, V]
+        if p.greedy:
+            assert g.token_ids == ref.argmax(-1).tolist()
+        top = ref.topk(3, dim=-1)
+        for j, lp in enumerate(g.logprobs):
+            assert lp.token == g.token_ids[j]
+            assert lp.logprob == pytest.approx(float(ref[j, lp.token]), abs=1e-4)
+            assert [t for t, _ in lp.top] == top.indices[j].tolist()
+            assert [v for _, v in lp.top] == pytest.approx(top.values[j].tolist(), abs=1e-4)
+
+
+PROCESSING = [
+    SamplingParams(max_new_tokens=24, repetition_penalty=1.6),
+    SamplingParams(max_new_tokens=24, presence_penalty=1.5, frequency_penalty=0.7),
+    SamplingParams(max_new_tokens=24, logit_bias=((11, 2.5), (40, -100.0))),
+    SamplingParams(max_new_tokens=24, min_tokens=12, presence_penalty=0.5),
+]
+
+
+@pytest.mark.parametrize("mode,extra", MODES, ids=IDS)
+def test_penalties_bias_and_min_tokens_greedy_are_the_references(tiny, drafters, hf, mode, extra):
+    """Rows with a repetition penalty, presence + frequency penalties, a logit bias, min_tokens, and plain rows, in
+    one batch: each row's greedy tokens equal the reference's (transformers' logits processed as OpenAI / vLLM
+    define it), each processing changes some row's output, and the engine speculated."""
+    prompts = ragged_prompts(10, seed=41)
+    plain = SamplingParams(max_new_tokens=24)
+    free = generate(tiny, prompts, plain)
+    eos = free[0].token_ids[5]  # a token rows emit: min_tokens holds it back
+    params = [PROCESSING[i % 4] if i < 8 else plain for i in range(len(prompts))]
+    refs = [reference_greedy(hf, p, sp, {eos}) for p, sp in zip(prompts, params)]
+    unprocessed = [reference_greedy(hf, p, plain, {eos}) for p in prompts]
+    for k in range(4):  # each kind of processing changes what some row says
+        assert any(refs[i] != unprocessed[i] for i in range(k, 8, 4)), PROCESSING[k]
+    engine = Engine(tiny, drafters["trained"], EngineConfig(mode=mode, max_batch=4, max_len=96, **extra),
+                    eos_token_ids=[eos])
+    out = run(engine, prompts, params)
+    assert [g.token_ids for g in out] == refs
+    assert engine.totals.num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("mode", ["sequential", "tree"])
+def test_penalties_count_the_drafts_accepted_earlier_in_the_same_step(tiny, drafters, hf, mode, monkeypatch):
+    """Drafts forced to the reference continuation, so every step accepts a whole block: the output is the
+    reference's only because each position's penalty counts the drafts before it on its path. With those counts
+    dropped (the penalty applied to the output before the step only) the same run comes out different."""
+    prompts = ragged_prompts(4, seed=43)
+    params = SamplingParams(max_new_tokens=24, presence_penalty=1.5, frequency_penalty=1.0)
+    refs = [reference_greedy(hf, p, params, set()) for p in prompts]
+    reference = {tuple(p): r for p, r in zip(prompts, refs)}
+
+    def decode():
+        engine = Engine(tiny, drafters["random"], EngineConfig(mode=mode, max_batch=4, max_len=96))
+        engine.proposer = OracleProposer(engine, reference, wrong=False)
+        return run(engine, prompts, [params] * len(prompts))
+
+    out = decode()
+    assert [g.token_ids for g in out] == refs
+    assert all(max(g.stats.accepted_lengths) == 4 for g in out)  # whole blocks accepted
+    import flexdraft.speculative.penalties as penalties
+
+    monkeypatch.setattr(penalties, "path_counts", lambda drafts, rows, V: torch.zeros(len(rows), 1, V))
+    assert [g.token_ids for g in decode()] != refs
+
+
+def test_bad_processing_is_named():
+    for kw, word in (({"repetition_penalty": 0.0}, "repetition_penalty"), ({"min_tokens": 9}, "min_tokens"),
+                     ({"logit_bias": ((-1, 1.0),)}, "logit_bias"), ({"logprobs": 21}, "logprobs"),
+                     ({"presence_penalty": float("nan")}, "presence_penalty")):
+        with pytest.raises(FlexDraftError, match=word):
+            SamplingParams(max_new_tokens=8, **kw)
+
+
+def exact_processed(hf, prompt: list[int], p: SamplingParams, stop: set[int], n_tokens: int) -> dict[tuple, float]:
+    """P(the first n_tokens, or fewer ending in a stop token) by enumerating every continuation: transformers'
+    logits, processed as the reference says, at temperature 1."""
+    probs, done = {(): 1.0}, {}
+    for _ in range(n_tokens):
+        nxt = {}
+        for seq, q in probs.items():
+            dist = processed(hf_logits(hf, prompt + list(seq))[-1], prompt, list(seq), p, stop).softmax(-1)
+            for t in dist.nonzero().squeeze(-1).tolist():
+                (done if t in stop else nxt)[seq + (t,)] = q * float(dist[t])
+        probs = nxt
+    return probs | done
+
+
+def test_sampling_with_penalties_follows_the_processed_distribution(tmp_path, monkeypatch):
+    """Tiny vocabulary (12 tokens), temperature 1, presence + frequency + repetition penalties, a logit bias and
+    min_tokens 2 (EOS held back for two tokens): the first 3 tokens of 6000 sampled generations in sequential,
+    parallel, tree and lookup mode, with a random drafter whose q is far from p, match the enumerated distribution
+    of the reference by chi-square at significance 0.001, in runs that accepted and rejected drafts. The same test
+    fails when a position's penalty ignores the drafts before it in its step (the test has power)."""
+    make_tiny_hf("llama", tmp_path, vocab_size=12, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = load_model(tmp_path, CPU32, with_tokenizer=False).model
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    torch.manual_seed(0)
+    drafter = Drafter.from_target(model, DrafterConfig(k=2, block_size=2))
+    with torch.no_grad():
+        for w in drafter.parameters():
+            w.add_(torch.randn_like(w) * 0.5)
+    drafter.to_runtime(model)
+    prompt = [3, 7, 5, 9]
+    params = SamplingParams(max_new_tokens=3, temperature=1.0, presence_penalty=0.8, frequency_penalty=0.6,
+                            repetition_penalty=1.3, logit_bias=((5, 1.0),), min_tokens=2)
+    exact = exact_processed(reference, prompt, params, {2}, 3)
+    N = 6000
+
+    def counts(mode):
+        engine = Engine(model, drafter, EngineConfig(mode=mode, max_batch=64, max_len=24), eos_token_ids=[2])
+        seeded = [SamplingParams(**{**params.__dict__, "seed": i}) for i in range(N)]
+        out = run(engine, [prompt] * N, seeded)
+        t = engine.totals
+        assert t.num_drafts > 0 and 0 < t.num_accepted_tokens < t.num_draft_tokens, (mode, t)
+        tally = {}
+        for g in out:
+            tally[tuple(g.token_ids)] = tally.get(tuple(g.token_ids), 0) + 1
+        return tally
+
+    for mode in ("sequential", "parallel", "tree", "lookup"):
+        tally = counts(mode)
+        stat, q = chi_square_ok(tally, exact, N)
+        assert stat < q, (mode, stat, q)
+        for j in (1, 2):
+            stat, q = chi_square_ok(marginal(tally, j), marginal(exact, j), N)
+            assert stat < q, (mode, f"position {j}", stat, q)
+    import flexdraft.speculative.penalties as penalties
+
+    monkeypatch.setattr(penalties, "path_counts", lambda drafts, rows, V: torch.zeros(len(rows), 1, V))
+    stat, q = chi_square_ok(counts("sequential"), exact, N)
+    assert stat > q, "no power"
+
+
+def test_choices_of_one_prompt_share_a_prefill_and_decode_as_if_alone(tiny, drafters, monkeypatch):
+    """Three requests of one prompt (n = 3: greedy, and sampled with seeds 1 and 2) and one of another, admitted in
+    one step: two prompts are prefilled, not four, and each request's tokens are what it gets decoded alone."""
+    import flexdraft.engine.engine as engine_module
+
+    prompts = ragged_prompts(2, seed=45)
+    params = [SamplingParams(max_new_tokens=16), SamplingParams(max_new_tokens=16, temperature=1.0, seed=1),
+              SamplingParams(max_new_tokens=16, temperature=1.0, seed=2), SamplingParams(max_new_tokens=16)]
+    asked = [prompts[0]] * 3 + [prompts[1]]
+    config = EngineConfig(mode="sequential", max_batch=4, max_len=96)
+    alone = [run(Engine(tiny, drafters["trained"], config), [p], [sp])[0].token_ids for p, sp in zip(asked, params)]
+    prefilled = []
+    real = engine_module.prefill
+    monkeypatch.setattr(engine_module, "prefill", lambda m, c, ps: prefilled.append(len(ps)) or real(m, c, ps))
+    engine = Engine(tiny, drafters["trained"], config)
+    out = run(engine, asked, params)
+    assert prefilled == [2] and [g.token_ids for g in out] == alone
+    assert out[1].token_ids != out[2].token_ids  # (the seeds differ)
