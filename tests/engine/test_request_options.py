@@ -227,3 +227,152 @@ def test_choices_of_one_prompt_share_a_prefill_and_decode_as_if_alone(tiny, draf
     out = run(engine, asked, params)
     assert prefilled == [2] and [g.token_ids for g in out] == alone
     assert out[1].token_ids != out[2].token_ids  # (the seeds differ)
+
+
+SCHEMA = {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]},
+                                           "size": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["colour", "size"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def smol(tiny_smollm2):
+    """A tiny random llama with SmolLM2's tokenizer (grammars need a real one), transformers' copy of it, and an
+    untrained drafter."""
+    lm = load_model(tiny_smollm2, CPU32)
+    torch.manual_seed(0)
+    drafter = Drafter.from_target(lm.model, DrafterConfig(k=2, block_size=4)).to_runtime(lm.model)
+    return lm, AutoModelForCausalLM.from_pretrained(tiny_smollm2, dtype=torch.float32).eval(), drafter
+
+
+def grammar_reference(hf, tokenizer, prompt: list[int], grammar: str, n: int) -> list[int]:
+    """Greedy under the grammar, straight from llguidance's matcher and transformers' logits."""
+    import llguidance
+    import llguidance.hf
+
+    m = llguidance.LLMatcher(llguidance.hf.from_tokenizer(tokenizer, n_vocab=hf.config.vocab_size), grammar)
+    out: list[int] = []
+    while len(out) < n:
+        logits = hf_logits(hf, prompt + out)[-1]
+        bias = torch.frombuffer(bytearray(m.compute_logit_bias()), dtype=torch.uint8)[: len(logits)]
+        token = int(logits.masked_fill(bias == 0, float("-inf")).argmax())
+        out.append(token)
+        if token == tokenizer.eos_token_id:
+            break
+        assert m.consume_token(token)
+    return out
+
+
+@pytest.mark.parametrize("mode,extra,drafts", [(*m, None) for m in MODES] + [
+    ("sequential", {}, "right"), ("sequential", {}, "wrong"), ("tree", {}, "right"), ("tree", {}, "wrong")],
+    ids=IDS + ["sequential-right", "sequential-wrong", "tree-right", "tree-wrong"])
+def test_json_schema_output_is_the_constrained_reference_and_validates(smol, mode, extra, drafts):
+    """Greedy under a JSON schema, in every mode while it speculates, and with drafts forced to the constrained
+    reference (every block accepted) or to tokens that never match (each rejected, many forbidden by the grammar):
+    the tokens are the reference's (transformers' logits masked by llguidance's own matcher) and the text parses
+    and validates against the schema. Rows without a grammar in the same batch are unconstrained."""
+    import json
+
+    import jsonschema
+
+    from flexdraft.core.data import chat_ids
+    from flexdraft.speculative.grammar import Grammar, Grammars
+
+    lm, hf, drafter = smol
+    tok = lm.tokenizer
+    prompts = [chat_ids(tok, [{"role": "user", "content": f"Describe item {i} as JSON."}]) for i in range(3)]
+    grammar = Grammar.json_schema(SCHEMA)
+    refs = [grammar_reference(hf, tok, p, grammar.compiled(), 40) for p in prompts]
+    plain = SamplingParams(max_new_tokens=12)
+    free = run(Engine(lm.model, None, EngineConfig(mode="ar", max_batch=4, max_len=256), eos_token_ids=[2]),
+               prompts[:1], [plain])[0].token_ids
+    engine = Engine(lm.model, drafter, EngineConfig(mode=mode, max_batch=4, max_len=256, **extra),
+                    eos_token_ids=[tok.eos_token_id], grammars=Grammars(tok, lm.model.args.vocab_size))
+    if drafts is not None:
+        reference = {tuple(p): r for p, r in zip(prompts, refs)} | {tuple(prompts[0]): refs[0]}
+        engine.proposer = OracleProposer(engine, reference, wrong=drafts == "wrong")
+    params = [SamplingParams(max_new_tokens=40, grammar=grammar)] * 3
+    out = run(engine, prompts + prompts[:1], params + [plain])
+    assert [g.token_ids for g in out[:3]] == refs
+    for g in out[:3]:
+        assert g.finish_reason == "eos"
+        jsonschema.validate(json.loads(tok.decode(g.token_ids, skip_special_tokens=True)), SCHEMA)
+    if drafts is None:
+        assert out[3].token_ids == free  # the unconstrained row beside them
+    assert engine.totals.num_drafts > 0
+    if drafts == "right":
+        assert engine.totals.num_accepted_tokens > sum(map(len, refs)) / 2
+
+
+def byte_level_tokenizer(vocab: list[str]):
+    """A fast byte-level BPE tokenizer whose tokens are exactly `vocab` (no merges): what llguidance takes."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(vocab)}, merges=[], unk_token=None))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tk.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="</s>", bos_token="<s>", pad_token="<pad>")
+
+
+def test_sampling_under_a_grammar_follows_the_masked_distribution(tmp_path, monkeypatch):
+    """Tiny vocabulary (12 tokens, a byte-level tokenizer of single letters), temperature 1, the regex
+    (a|b)(c|d)(e|f): the 3 tokens of 3000 sampled generations in sequential, parallel, tree and lookup mode match
+    the enumerated distribution of transformers' logits masked by llguidance, by chi-square at significance
+    0.001, in runs that accepted and rejected drafts, and nothing outside the grammar comes out; with each position
+    masked as if no draft came before it, outputs outside the grammar do (the test has power)."""
+    import llguidance
+
+    from flexdraft.speculative.grammar import Grammar, Grammars
+
+    make_tiny_hf("llama", tmp_path, vocab_size=12, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = load_model(tmp_path, CPU32, with_tokenizer=False).model
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    tok = byte_level_tokenizer(["<pad>", "<s>", "</s>", *"abcdefghi"])
+    torch.manual_seed(0)
+    drafter = Drafter.from_target(model, DrafterConfig(k=2, block_size=2))
+    with torch.no_grad():
+        for w in drafter.parameters():
+            w.add_(torch.randn_like(w) * 0.5)
+    drafter.to_runtime(model)
+    grammar = Grammar("regex", "(a|b)(c|d)(e|f)")  # (which tokens may come depends on the tokens before)
+    ll = llguidance.hf.from_tokenizer(tok, n_vocab=12)
+
+    def allowed(seq) -> torch.Tensor:
+        m = llguidance.LLMatcher(ll, grammar.compiled())
+        assert m.consume_tokens(list(seq))
+        return torch.frombuffer(bytearray(m.compute_logit_bias()), dtype=torch.uint8)[:12] > 0
+
+    prompt = [3, 5, 7, 4, 6, 8]  # "acebdf": prompt lookup proposes what the grammar allows after a and after b
+    exact, probs = {}, {(): 1.0}
+    for _ in range(3):
+        nxt = {}
+        for seq, q in probs.items():
+            dist = hf_logits(reference, prompt + list(seq))[-1].masked_fill(~allowed(seq), float("-inf")).softmax(-1)
+            for t in dist.nonzero().squeeze(-1).tolist():
+                (exact if t == 2 else nxt)[seq + (t,)] = q * float(dist[t])
+        probs = nxt
+    exact |= probs
+    assert len(exact) == 8
+    N = 3000  # (8 outcomes)
+
+    def counts(mode):
+        engine = Engine(model, drafter, EngineConfig(mode=mode, max_batch=64, max_len=24), eos_token_ids=[2],
+                        grammars=Grammars(tok, 12))
+        out = run(engine, [prompt] * N,
+                  [SamplingParams(max_new_tokens=3, temperature=1.0, seed=i, grammar=grammar) for i in range(N)])
+        t = engine.totals
+        assert t.num_drafts > 0 and 0 < t.num_accepted_tokens < t.num_draft_tokens, (mode, t)
+        tally = {}
+        for g in out:
+            tally[tuple(g.token_ids)] = tally.get(tuple(g.token_ids), 0) + 1
+        return tally
+
+    for mode in ("sequential", "parallel", "tree", "lookup"):
+        tally = counts(mode)
+        assert set(tally) <= set(exact), mode  # nothing outside the grammar
+        stat, q = chi_square_ok(tally, exact, N)
+        assert stat < q, (mode, stat, q)
+    import flexdraft.speculative.grammar as grammar_module
+
+    monkeypatch.setattr(grammar_module, "draft_paths", lambda drafts, row: [[]] * (1 + (drafts.nodes if drafts else 0)))
+    assert set(counts("sequential")) - set(exact), "no power"  # forbidden tokens get through

@@ -167,6 +167,171 @@ def test_openai_client_outputs_equal_ar_greedy_streamed_or_not(app):
     assert out.choices[0].message.content == tok.decode(ref, skip_special_tokens=True)
 
 
+def engine_reference(lm, ids: list[int], params: SamplingParams):
+    """The same request through a local AR engine on the same weights (no drafts: the plain decoding)."""
+    from flexdraft.engine.config import EngineConfig
+    from flexdraft.engine.engine import Engine
+    from flexdraft.speculative.grammar import Grammars
+
+    engine = Engine(lm.model, None, EngineConfig(mode="ar", max_batch=1, max_len=256), eos_token_ids=lm.eos_token_ids,
+                    grammars=Grammars(lm.tokenizer, lm.model.args.vocab_size))
+    return engine.generate([ids], params)[0]
+
+
+def test_logprobs_and_penalties_through_openai_clients_are_the_plain_decodings(app):
+    """While the replica speculates: chat logprobs with top_logprobs and completions logprobs, streamed or not, in
+    OpenAI's shapes (one entry per token; a token's bytes are its text's), with the values of a local AR decoding
+    of the same weights (1e-4); penalties and a logit bias give that decoding's tokens."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{URL}/v1", api_key=KEY)
+    tok = app.tokenizer
+    messages = [{"role": "user", "content": "Name three colours."}]
+    ids = chat_ids(tok, messages)
+    ref = engine_reference(app, ids, SamplingParams(max_new_tokens=12, logprobs=2))
+    out = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0, logprobs=True,
+                                         top_logprobs=2)
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens == len(ref.token_ids)
+    for entry, lp in zip(content, ref.logprobs):
+        assert entry.logprob == pytest.approx(lp.logprob, abs=1e-4) and len(entry.top_logprobs) == 2
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx([v for _, v in lp.top], abs=1e-4)
+        assert entry.top_logprobs[0].logprob >= entry.logprob - 1e-6  # (greedy: the token is the most likely)
+    assert b"".join(bytes(e.bytes) for e in content).decode() == tok.decode(ref.token_ids)
+    assert out.model_extra["flexdraft"]["target_forwards"] > 0
+    first = ref.token_ids[0]
+
+    text = "The capital of France is"
+    ref = engine_reference(app, tok(text)["input_ids"], SamplingParams(max_new_tokens=12, logprobs=1))
+    whole = client.completions.create(model="tiny", prompt=text, max_tokens=12, temperature=0, logprobs=1)
+    streamed = [c.choices[0].logprobs for c in client.completions.create(
+        model="tiny", prompt=text, max_tokens=12, temperature=0, logprobs=1, stream=True) if c.choices]
+    lps = whole.choices[0].logprobs
+    assert lps.token_logprobs == pytest.approx([lp.logprob for lp in ref.logprobs], abs=1e-4)
+    assert [x for s in streamed for x in s.token_logprobs] == pytest.approx(lps.token_logprobs, abs=1e-4)
+    assert [x for s in streamed for x in s.text_offset] == lps.text_offset
+    assert lps.text_offset[0] == 0 and all(len(d) in (1, 2) for d in lps.top_logprobs)  # top 1 + the token itself
+
+    params = SamplingParams(max_new_tokens=16, presence_penalty=1.2, frequency_penalty=0.8, repetition_penalty=1.3,
+                            logit_bias=((first, -100.0),))
+    ref = engine_reference(app, ids, params)
+    assert ref.token_ids != engine_reference(app, ids, SamplingParams(max_new_tokens=16)).token_ids
+    out = client.chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=0,
+                                         presence_penalty=1.2, frequency_penalty=0.8,
+                                         logit_bias={str(first): -100},
+                                         extra_body={"repetition_penalty": 1.3, "return_token_ids": True})
+    assert out.choices[0].token_ids == ref.token_ids
+
+
+def test_n_choices_share_a_batch_and_best_of_returns_the_most_probable(app):
+    """n = 2 greedy chat choices are both the greedy answer (usage counts both); n = 3 sampled choices stream
+    interleaved, each index ending once with the tokens its chunks carried; best_of = 4 with n = 2 returns the two
+    of highest total log-probability, best first, and usage counts all four."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{URL}/v1", api_key=KEY)
+    tok = app.tokenizer
+    messages = [{"role": "user", "content": "Name a fruit."}]
+    ref = greedy(app, chat_ids(tok, messages), 8)
+    out = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0, n=2)
+    assert [c.index for c in out.choices] == [0, 1]
+    assert {c.message.content for c in out.choices} == {tok.decode(ref, skip_special_tokens=True)}
+    assert out.usage.completion_tokens == 2 * len(ref)
+
+    chunks = list(client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=8, temperature=1.0, seed=7, n=3, stream=True,
+        stream_options={"include_usage": True}, extra_body={"return_token_ids": True}))
+    ids, ends = {0: [], 1: [], 2: []}, []
+    for c in chunks:
+        for ch in c.choices:
+            ids[ch.index] += ch.model_extra["token_ids"]
+            ends += [ch.index] if ch.finish_reason else []
+    assert sorted(ends) == [0, 1, 2] and chunks[-1].usage.completion_tokens == sum(map(len, ids.values()))
+    assert all(ids.values())
+
+    out = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=8, temperature=1.0, seed=3,
+                                    n=2, best_of=4, logprobs=0)
+    totals = [sum(c.logprobs.token_logprobs) for c in out.choices]
+    assert len(totals) == 2 and totals[0] >= totals[1]
+    assert out.usage.completion_tokens > sum(len(c.logprobs.tokens) for c in out.choices)  # (all four counted)
+
+
+def test_response_format_answers_parse_and_validate_while_speculating(app):
+    """json_schema (strict) and json_object through the openai client, greedy and sampled, streamed or not: every
+    answer parses and validates against its schema, the greedy one is the local constrained AR decoding's, and the
+    replica speculated on them."""
+    import jsonschema
+    from openai import OpenAI
+
+    from flexdraft.speculative.grammar import Grammar
+
+    client = OpenAI(base_url=f"{URL}/v1", api_key=KEY)
+    schema = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]},
+                                               "people": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["city", "people"], "additionalProperties": False}
+    messages = [{"role": "user", "content": "Give a city and a number of people as JSON."}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "place", "schema": schema, "strict": True}}
+    ref = engine_reference(app, chat_ids(app.tokenizer, messages),
+                           SamplingParams(max_new_tokens=48, grammar=Grammar.json_schema(schema)))
+    out = client.chat.completions.create(model="tiny", messages=messages, max_tokens=48, temperature=0,
+                                         response_format=fmt, extra_body={"return_token_ids": True})
+    assert out.choices[0].token_ids == ref.token_ids and out.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(out.choices[0].message.content), schema)
+    assert out.model_extra["flexdraft"]["target_forwards"] > 0
+    for stream in (False, True):  # sampled, two choices each
+        answer = client.chat.completions.create(model="tiny", messages=messages, max_tokens=48, temperature=1.0,
+                                                seed=11, n=2, response_format=fmt, stream=stream)
+        if stream:
+            texts = ["", ""]
+            for c in answer:
+                for ch in c.choices:
+                    texts[ch.index] += ch.delta.content or ""
+        else:
+            texts = [c.message.content for c in answer.choices]
+        for text in texts:
+            jsonschema.validate(json.loads(text), schema)
+    out = client.chat.completions.create(model="tiny", messages=messages, max_tokens=48, temperature=0,
+                                         response_format={"type": "json_object"})
+    assert isinstance(json.loads(out.choices[0].message.content), dict)
+
+
+def test_langchain_and_litellm_get_what_the_openai_client_gets(app, monkeypatch):
+    """LangChain's ChatOpenAI (invoke, stream, logprobs, penalties) and LiteLLM's completion (logprobs, penalties,
+    a developer message, store) against the replica: each answered with the local AR decoding's tokens; tools
+    refused by each with a 400 naming the field."""
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # (no model cost map from the internet)
+    import litellm
+    from langchain_openai import ChatOpenAI
+
+    tok = app.tokenizer
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hello."}]
+    ids = chat_ids(tok, messages)
+    plain = tok.decode(engine_reference(app, ids, SamplingParams(max_new_tokens=10)).token_ids, skip_special_tokens=True)
+    penalised = engine_reference(app, ids, SamplingParams(max_new_tokens=10, presence_penalty=1.5, logprobs=0))
+    chat = ChatOpenAI(base_url=f"{URL}/v1", api_key=KEY, model="tiny", temperature=0, max_tokens=10)
+    assert chat.invoke(messages).content == plain
+    assert "".join(c.content for c in chat.stream(messages)) == plain
+    out = chat.bind(logprobs=True, presence_penalty=1.5).invoke(messages)
+    assert out.content == tok.decode(penalised.token_ids, skip_special_tokens=True)
+    assert [e["logprob"] for e in out.response_metadata["logprobs"]["content"]] == \
+        pytest.approx([lp.logprob for lp in penalised.logprobs], abs=1e-4)
+
+    call = dict(model="openai/tiny", api_base=f"{URL}/v1", api_key=KEY, temperature=0, max_tokens=10)
+    developer = [{**messages[0], "role": "developer"}, messages[1]]
+    out = litellm.completion(messages=developer, store=False, **call)
+    assert out.choices[0].message.content == plain
+    out = litellm.completion(messages=messages, logprobs=True, top_logprobs=2, presence_penalty=1.5, **call)
+    assert out.choices[0].message.content == tok.decode(penalised.token_ids, skip_special_tokens=True)
+    assert len(out.choices[0].logprobs["content"]) == len(penalised.token_ids)
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    with pytest.raises(Exception, match="tools") as err:
+        chat.bind_tools(tools).invoke(messages)
+    assert getattr(err.value, "status_code", None) == 400
+    with pytest.raises(litellm.BadRequestError, match="tools"):
+        litellm.completion(messages=messages, tools=tools, **call)
+
+
 def test_sixteen_concurrent_requests_succeed_in_shared_batches(app):
     prompts = [f"Count to {i}:" for i in range(16)]
 
@@ -200,7 +365,7 @@ def test_sixteen_concurrent_requests_succeed_in_shared_batches(app):
     ({"prompt": list(range(3, 303))}, AUTH, 400, "prompt"),  # 300 tokens > the 256-slot cache
     ({"prompt": "hi", "max_tokens": 250}, AUTH, 400, "max_tokens"),  # + verify and branch slots > 256
     ({"prompt": "hi", "max_tokens": 0}, AUTH, 400, "max_tokens"),
-    ({"prompt": "hi", "n": 3}, AUTH, 400, "n"),
+    ({"prompt": "hi", "n": 17}, AUTH, 400, "n"),
     ({"prompt": "hi"}, {"Authorization": "Bearer wrong"}, 401, None),
     ({"prompt": "hi"}, {}, 401, None),
     (b"{not json", {}, 401, None),  # the key is checked before the body is read
@@ -287,7 +452,10 @@ FIELDS = {  # OpenAI's fields with in-range, out-of-range and wrong-typed values
     "stop": st.text(max_size=3) | st.lists(st.text(max_size=3), max_size=6) | ANY,
     "stream": st.booleans() | ANY,
     "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}) | ANY,
-    "n": st.sampled_from([1, 2]) | ANY,
+    "n": st.integers(-1, 20) | ANY,
+    "presence_penalty": st.floats(-3, 3) | ANY,
+    "logit_bias": st.dictionaries(st.sampled_from(["5", "49151", "49152", "x"]), st.floats(-150, 150)) | ANY,
+    "response_format": st.sampled_from([{"type": "json_object"}, {"type": "json_schema"}, {"type": "yaml"}]) | ANY,
     "model": st.sampled_from(["tiny", "gpt-4"]) | ANY,
     "return_token_ids": st.booleans() | ANY,
     "flexdraft": st.fixed_dictionaries({}, optional={"speculation": st.booleans() | ANY,
@@ -300,7 +468,10 @@ VALID_FIELDS = {  # in range: the server must answer 200 (max_tokens always give
     "temperature": st.sampled_from([0, 1e-300, 0.7, 1.0]),
     "top_p": st.floats(0.05, 1), "top_k": st.integers(-1, 50), "seed": st.integers(-(2 ** 63), 2 ** 63 - 1),
     "stop": st.text(min_size=1, max_size=3) | st.lists(st.text(min_size=1, max_size=3), max_size=4),
-    "stream": st.booleans(), "return_token_ids": st.booleans(),
+    "stream": st.booleans(), "return_token_ids": st.booleans(), "n": st.integers(1, 3),
+    "presence_penalty": st.floats(-2, 2), "frequency_penalty": st.floats(-2, 2),
+    "logit_bias": st.dictionaries(st.integers(0, 49151).map(str), st.floats(-100, 100), max_size=3),
+    "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}]),
     "flexdraft": st.fixed_dictionaries({}, optional={"speculation": st.booleans(),
                                                      "num_speculative_tokens": st.integers(0, 64)}),
 }

@@ -321,8 +321,31 @@ def test_a_policy_in_user_config_owns_its_knobs_and_live_changes_leave_them(part
 
 @pytest.mark.parametrize("body,chat,status,param", [
     ([1, 2], False, 400, None),
-    ({"prompt": "hi", "n": 2}, False, 400, "n"),
-    ({"prompt": "hi", "logprobs": 2}, False, 400, "logprobs"),
+    ({"prompt": "hi", "n": 17}, False, 400, "n"),
+    ({"prompt": "hi", "n": 3, "best_of": 2}, False, 400, "best_of"),
+    ({"prompt": "hi", "best_of": 2, "stream": True}, False, 400, "best_of"),
+    ({"prompt": "hi", "n": 2, "seed": 2 ** 64 - 1}, False, 400, "seed"),  # (choice 1 would take seed + 1)
+    ({"messages": [{"role": "user", "content": "hi"}], "best_of": 2}, True, 400, "best_of"),  # (completions only)
+    ({"prompt": "hi", "logprobs": 21}, False, 400, "logprobs"),
+    ({"prompt": "hi", "logprobs": True}, False, 400, "logprobs"),  # (completions: an integer; chat: a boolean)
+    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": 2}, True, 400, "logprobs"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, True, 400, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, True, 400,
+     "top_logprobs"),
+    ({"prompt": "hi", "presence_penalty": 2.5}, False, 400, "presence_penalty"),
+    ({"prompt": "hi", "frequency_penalty": float("nan")}, False, 400, "frequency_penalty"),
+    ({"prompt": "hi", "repetition_penalty": 0}, False, 400, "repetition_penalty"),
+    ({"prompt": "hi", "logit_bias": {"the": 5}}, False, 400, "logit_bias"),
+    ({"prompt": "hi", "logit_bias": {"5": 101}}, False, 400, "logit_bias"),
+    ({"prompt": "hi", "logit_bias": {str(i): 1 for i in range(301)}}, False, 400, "logit_bias"),
+    ({"prompt": "hi", "min_tokens": 9, "max_tokens": 8}, False, 400, "min_tokens"),
+    ({"prompt": "hi", "min_tokens": -1}, False, 400, "min_tokens"),
+    ({"prompt": "hi", "response_format": {"type": "xml"}}, False, 400, "response_format"),
+    ({"prompt": "hi", "response_format": {"type": "json_schema"}}, False, 400, "response_format"),
+    ({"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "bogus"}}}}, False, 400, "response_format"),
+    ({"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {"name": "a b"}}}, False, 400,
+     "response_format"),
     ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, True, 400, "tools"),
     ({"model": "gpt-4", "prompt": "hi"}, False, 404, "model"),
     ({"prompt": 5}, False, 400, "prompt"),
@@ -393,6 +416,16 @@ def test_requests_parse_to_the_prompt_ids_the_engine_decodes(real_lm):
     assert caps == [None, 0, 2, 0]  # the flexdraft extension -> the engine's per-request draft cap
     req = parse_request({"prompt": "hi", "ignore_eos": True, "stop_token_ids": [7, 9]}, False, "m", tok, 512, 16)
     assert req.params.ignore_eos and req.params.stop_token_ids == (7, 9)  # vLLM's extensions -> the engine's
+    req = parse_request({"prompt": "hi", "logprobs": 2, "presence_penalty": 0.5, "frequency_penalty": -0.5,
+                         "repetition_penalty": 1.2, "logit_bias": {"7": -100, "9": 2.5}, "min_tokens": 3}, False, "m",
+                        tok, 512, 16)
+    p = req.params
+    assert (p.logprobs, p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_tokens) == \
+        (2, 0.5, -0.5, 1.2, 3) and p.logit_bias == ((7, -100.0), (9, 2.5))
+    chat = {"messages": messages, "logprobs": True}
+    assert parse_request(chat, True, "m", tok, 512, 16).params.logprobs == 0  # the token's own logprob only
+    assert parse_request(chat | {"top_logprobs": 4}, True, "m", tok, 512, 16).params.logprobs == 4
+    assert parse_request({"messages": messages}, True, "m", tok, 512, 16).params.logprobs is None
 
 
 @pytest.mark.real_model

@@ -40,6 +40,7 @@ from flexdraft.engine.stats import IDLE, PREFILL, Recovery, SpecDecodingStats, S
 from flexdraft.models.transformer import Transformer
 from flexdraft.speculative.branches import AcceptanceModel, branch_anchors
 from flexdraft.speculative.drafts import Chains, Drafts, Mode, Plan, Verdict
+from flexdraft.speculative.grammar import Grammars, constrained
 from flexdraft.speculative.lookup import NgramIndex, NgramStore
 from flexdraft.speculative.penalties import History, penalised
 from flexdraft.speculative.planner import LOOKUP_MARGIN, Planner
@@ -67,12 +68,13 @@ class Engine:
 
     def __init__(self, target: Transformer, drafter: Drafter | None, config: EngineConfig, eos_token_ids=(),
                  acceptance_prior: dict | None = None, store: NgramStore | None = None, policy: Policy | None = None,
-                 proposers: Sequence[ModelFreeProposer] = ()):
+                 proposers: Sequence[ModelFreeProposer] = (), grammars: Grammars | None = None):
         """config: as asked (`config.resolve` makes the one the engine runs with, `self.config`). policy: the step
         settings per live batch size (`policy_file`); it sets the config's mode (adaptive), S, cost model and the
         largest block, tree and n-gram size its bands use. The caller checks it was measured for this target and
         drafter (`runner.resolve_policy`). proposers: model-free draft sources weighed beside
-        prompt lookup (adaptive and lookup steps)."""
+        prompt lookup (adaptive and lookup steps). grammars: compiles requests' grammars against the target's
+        tokenizer (None: requests with a grammar are refused)."""
         config = resolve(config, drafter, target.args.max_position_embeddings, policy)
         self.target, self.drafter, self.config, self.policy = target, drafter, config, policy
         if drafter is not None and drafter.paired is None:
@@ -87,6 +89,7 @@ class Engine:
         self.lookup = config.lookup if weighed else 0
         self.store = store if self.lookup else None  # a corpus's drafts beside the request's own (lookup steps)
         self.eos = set(eos_token_ids)
+        self.grammars = grammars
         R, dev = config.max_batch, target.device
         self.cache = target.new_cache(R, config.max_len)
         self.trees = bool(self.B and config.tree_nodes and config.mode in (Mode.TREE, Mode.ADAPTIVE))
@@ -140,6 +143,8 @@ class Engine:
         bad = [t for t, _ in params.logit_bias if t >= V]
         if bad:
             raise FlexDraftError(f"logit_bias has token id {bad[0]} outside the vocabulary of {V}")
+        if params.grammar is not None and self.grammars is None:
+            raise FlexDraftError("this engine has no tokenizer to compile grammars with (Engine(grammars=...))")
         need = self.slots_needed(len(prompt), params.max_new_tokens)
         if need > self.config.max_len:
             raise ContextTooLong(f"prompt of {len(prompt)} tokens + max_new_tokens {params.max_new_tokens} + "
@@ -152,8 +157,9 @@ class Engine:
         self.check_request(prompt, params)
         V = self.target.args.vocab_size
         req = Request(next(self._ids), prompt, params, make_generator(params, self.target.device),
-                       index=NgramIndex(prompt, self.lookup) if self.lookup else None, stop=params.stop_ids(self.eos),
-                      logprobs=[] if params.logprobs is not None else None)
+                      index=NgramIndex(prompt, self.lookup) if self.lookup else None, stop=params.stop_ids(self.eos),
+                      logprobs=[] if params.logprobs is not None else None,
+                      matcher=self.grammars.matcher(params.grammar) if params.grammar is not None else None)
         if not params.greedy and self.state.q is None and self.B:
             self.state.q = torch.zeros(self.config.max_batch, self.B, V, device=self.target.device)
         self.waiting.append(req)
@@ -294,12 +300,17 @@ class Engine:
     @staticmethod
     def _processed(logits: torch.Tensor, requests: list[Request], drafts: Drafts | None) -> torch.Tensor:
         """logits [n, T, V] of the requests' rows -> as each request's penalties, bias and min_tokens make them
-        (`penalties.penalised`; the same tensor when no request asks for any)."""
+        (`penalties.penalised`), then masked by its grammar (`grammar.constrained`); the same tensor when no request
+        asks for either."""
         rows = [i for i, r in enumerate(requests) if r.params.processes]
-        if not rows:
-            return logits
-        return penalised(logits, rows, [requests[i].params for i in rows],
-                         [History(requests[i].prompt, requests[i].tokens, requests[i].stop) for i in rows], drafts)
+        if rows:
+            logits = penalised(logits, rows, [requests[i].params for i in rows],
+                               [History(requests[i].prompt, requests[i].tokens, requests[i].stop) for i in rows],
+                               drafts)
+        rows = [i for i, r in enumerate(requests) if r.matcher is not None]
+        if rows:
+            logits = constrained(logits, rows, [requests[i].matcher for i in rows], drafts)
+        return logits
 
     @staticmethod
     def _logprobs(logits: torch.Tensor, requests: list[Request], tokens: torch.Tensor,

@@ -21,6 +21,7 @@ from flexdraft.engine.config import EngineConfig, resolve
 from flexdraft.engine.engine import Engine
 from flexdraft.models.loading import LoadedModel, load_model
 from flexdraft.speculative.drafts import NO_DRAFTER, Mode
+from flexdraft.speculative.grammar import Grammars
 from flexdraft.speculative.lookup import NgramStore
 from flexdraft.speculative.policy_file import Policy, load_policy
 
@@ -148,8 +149,9 @@ def build_engine(lm: LoadedModel, choice: DrafterChoice, cfg: EngineConfig, stor
     agreement, the policy's bands if given (`resolve_policy`), and (adaptive) the cost profile `seed_costs` loads
     or measures."""
     use_drafter = cfg.mode not in NO_DRAFTER or policy is not None
+    grammars = Grammars(lm.tokenizer, lm.model.args.vocab_size) if lm.tokenizer is not None else None
     engine = Engine(lm.model, choice.drafter if use_drafter else None, cfg, lm.eos_token_ids,
-                    acceptance_prior=choice.prior, store=store, policy=policy)
+                    acceptance_prior=choice.prior, store=store, policy=policy, grammars=grammars)
     seed_costs(engine)
     return engine
 

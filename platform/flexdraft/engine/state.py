@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from flexdraft.speculative.grammar import Matcher
 from flexdraft.speculative.lookup import NgramIndex
 from flexdraft.speculative.sampling import Generation, GenerationStats, SamplingParams, TokenLogprob
 
@@ -54,6 +55,7 @@ class Request:
     acceptance: RowAcceptance = field(default_factory=RowAcceptance)
     stop: set[int] = field(default_factory=set)  # tokens that end it: params.stop_ids(the model's EOS ids)
     logprobs: list[TokenLogprob] | None = None  # one per token (params.logprobs set)
+    matcher: Matcher | None = None  # its grammar's state after its tokens (params.grammar set)
 
     def emit(self, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> list[int]:
         """Append tokens (and their logprobs, when the request asks), cut at a stop token or max_new_tokens -> the
@@ -66,6 +68,8 @@ class Request:
                 self.finish_reason = "eos"
                 break
         self.tokens.extend(emitted)
+        if self.matcher is not None:
+            self.matcher.consume(emitted)
         if self.logprobs is not None:
             self.logprobs.extend(logprobs[: len(emitted)])
         if self.index is not None:

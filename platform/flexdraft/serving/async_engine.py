@@ -18,7 +18,7 @@ from flexdraft.core import logs
 from flexdraft.core.errors import FlexDraftError
 from flexdraft.engine.engine import Engine
 from flexdraft.engine.stats import SpecDecodingStats, StepOutput, StepStats
-from flexdraft.speculative.sampling import Generation, SamplingParams
+from flexdraft.speculative.sampling import Generation, SamplingParams, TokenLogprob
 
 
 class EngineFailed(RuntimeError):
@@ -31,9 +31,11 @@ class EngineUnavailable(EngineFailed):
 
 @dataclass
 class Chunk:
-    """One item of a request's stream: new token ids, and on the last one the finished generation."""
+    """One item of a request's stream: new token ids (with their logprobs, when the request asks), and on the
+    last one the finished generation."""
     tokens: list[int]
     finished: Generation | None = None
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -221,7 +223,7 @@ class AsyncEngine:
             self._recover(e)
             return
         self._probate(out.stats)
-        self._deliver(out.tokens, out.finished)
+        self._deliver(out.tokens, out.finished, out.logprobs)
         self._count(out.stats)
         if self.on_step is not None:
             try:
@@ -246,7 +248,8 @@ class AsyncEngine:
         for rid, tokens in moved.items():  # tokens the failed step made before it raised are still valid
             stream = self._streams.get(rid)
             if stream is not None and len(tokens) > stream.sent:
-                self._put(stream, Chunk(tokens[stream.sent:]))
+                logprobs = recovery.logprobs.get(rid)
+                self._put(stream, Chunk(tokens[stream.sent:], logprobs=logprobs[stream.sent:] if logprobs else None))
                 stream.sent = len(tokens)
         # while isolating, the step's one newcomer (or the one on probation) is the only change to a batch that
         # decoded fine without it
@@ -372,13 +375,13 @@ class AsyncEngine:
         except Exception:  # noqa: BLE001 - the caller's event loop is closed: nobody is listening
             pass
 
-    def _deliver(self, tokens: dict[int, list[int]], finished: list[int]) -> None:
-        """New tokens to their streams; a finished request's stream gets its generation and closes."""
+    def _deliver(self, tokens: dict[int, list[int]], finished: list[int], logprobs: dict | None = None) -> None:
+        """New tokens (and logprobs) to their streams; a finished request's stream gets its generation and closes."""
         for request_id, new in tokens.items():
             stream = self._streams.get(request_id)
             if stream is not None and new:
                 stream.sent += len(new)
-                self._put(stream, Chunk(new))
+                self._put(stream, Chunk(new, logprobs=(logprobs or {}).get(request_id)))
         for request_id in finished:
             if request_id in self._streams:
                 self._put(self._streams.pop(request_id), Chunk([], self.engine.result(request_id)))

@@ -4,28 +4,26 @@ ids or chat messages, incremental detokenisation with stop strings, and the resp
 serving/ray_app.py puts them behind FastAPI."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from pydantic import ValidationError
 
 from flexdraft.core.data import chat_ids
 from flexdraft.core.errors import ContextTooLong, FlexDraftError
 from flexdraft.serving.protocol import ChatCompletionRequest, CompletionRequest
-from flexdraft.speculative.sampling import Generation, SamplingParams
+from flexdraft.speculative.grammar import JSON_OBJECT, Grammar
+from flexdraft.speculative.sampling import SEED_RANGE, Generation, SamplingParams, TokenLogprob
 
 # fields OpenAI defines that FlexDraft does not serve: refused by name unless at their no-op value
 UNSUPPORTED = {
-    "n": lambda v: v not in (None, 1), "best_of": lambda v: v not in (None, 1),
-    "logprobs": lambda v: v not in (None, False, 0), "top_logprobs": lambda v: v not in (None, 0),
-    "echo": lambda v: v not in (None, False), "suffix": lambda v: v is not None,
-    "logit_bias": lambda v: bool(v), "presence_penalty": lambda v: v not in (None, 0, 0.0),
-    "frequency_penalty": lambda v: v not in (None, 0, 0.0), "tools": lambda v: bool(v),
+    "echo": lambda v: v not in (None, False), "suffix": lambda v: v is not None, "tools": lambda v: bool(v),
     "tool_choice": lambda v: v not in (None, "none"), "functions": lambda v: bool(v),
     "function_call": lambda v: v not in (None, "none"),
-    "response_format": lambda v: v not in (None, {"type": "text"}),
 }
 _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "body"}  # union branches and FastAPI's root in locs
 
@@ -53,6 +51,8 @@ class Request:
     include_usage: bool = False
     stop: list[str] = field(default_factory=list)
     return_token_ids: bool = False
+    n: int = 1  # choices returned
+    best_of: int = 1  # choices generated (the n of highest log-probability are returned)
     id: str = ""
     created: int = 0
     max_tokens_given: bool = True  # False: the server's default, shortened to the room the cache leaves
@@ -99,20 +99,72 @@ def parse_request(body, chat: bool, served_model: str, tokenizer, max_tokens_lim
         raise APIError(400, f"'{key}' must be between 1 and {max_tokens_limit}, got {given}", key)
     if model.stream_options is not None and not model.stream:
         raise APIError(400, "'stream_options' is only allowed with stream: true", "stream_options")
+    best_of = model.n if chat or model.best_of is None else model.best_of
+    if best_of < model.n:
+        raise APIError(400, f"'best_of' ({best_of}) must be at least n ({model.n})", "best_of")
+    if best_of > model.n and model.stream:
+        raise APIError(400, "'best_of' cannot be streamed (the choices are ranked when all have finished)", "best_of")
+    if model.seed is not None and model.seed + best_of - 1 > SEED_RANGE[1]:
+        raise APIError(400, f"'seed' + choices - 1 must be at most {SEED_RANGE[1]} (choice i takes seed + i)", "seed")
+    if chat and model.top_logprobs is not None and not model.logprobs:
+        raise APIError(400, "'top_logprobs' is only allowed with logprobs: true", "top_logprobs")
+    max_new = given or default_max_tokens
+    if model.min_tokens > max_new:
+        raise APIError(400, f"'min_tokens' ({model.min_tokens}) must not exceed {key} ({max_new})", "min_tokens")
     prompt_ids = _chat_prompt(model, tokenizer) if chat else _completion_prompt(model, tokenizer)
+    grammar = _grammar(model.response_format)
     try:
-        params = SamplingParams(max_new_tokens=given or default_max_tokens,
+        params = SamplingParams(max_new_tokens=max_new,
                                 temperature=1.0 if model.temperature is None else float(model.temperature),
                                 top_p=1.0 if model.top_p is None else float(model.top_p),
                                 top_k=max(model.top_k or 0, 0), seed=model.seed,
                                 max_draft_tokens=_draft_cap(model.flexdraft), ignore_eos=model.ignore_eos,
-                                stop_token_ids=tuple(model.stop_token_ids or ()))
+                                stop_token_ids=tuple(model.stop_token_ids or ()), min_tokens=model.min_tokens,
+                                logit_bias=tuple((int(k), float(v)) for k, v in (model.logit_bias or {}).items()),
+                                presence_penalty=float(model.presence_penalty or 0.0),
+                                frequency_penalty=float(model.frequency_penalty or 0.0),
+                                repetition_penalty=float(model.repetition_penalty or 1.0),
+                                logprobs=(model.top_logprobs or 0 if model.logprobs else None) if chat else model.logprobs,
+                                grammar=grammar)
     except FlexDraftError as e:  # (the schema's bounds are the engine's: this is a second line of defence)
         raise APIError(400, str(e)) from None
     stop = [model.stop] if isinstance(model.stop, str) else list(model.stop or [])
     return Request(chat, name, prompt_ids, params, model.stream,
                    bool(model.stream_options and model.stream_options.include_usage), stop, model.return_token_ids,
-                   f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time()), given is not None)
+                   model.n, best_of, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time()),
+                   given is not None)
+
+
+def choice_params(req: Request) -> list[SamplingParams]:
+    """The params of each choice the request generates: choice i draws with seed + i (a seeded request's choices
+    differ, each reproducible); when best_of > n the choices are ranked by log-probability, so each reports it."""
+    rank = req.best_of > req.n and req.params.logprobs is None
+    return [dataclasses.replace(req.params, seed=None if req.params.seed is None else req.params.seed + i,
+                                logprobs=0 if rank else req.params.logprobs) for i in range(req.best_of)]
+
+
+def best(generations: list[Generation], n: int) -> list[int]:
+    """The indices of the n generations of highest total log-probability (all of them when there are n), best
+    first."""
+    if len(generations) == n:
+        return list(range(n))
+    return sorted(range(len(generations)), key=lambda i: -sum(lp.logprob for lp in generations[i].logprobs))[:n]
+
+
+def _grammar(response_format) -> Grammar | None:
+    """response_format -> the grammar the answer is decoded under (None: text); a 400 naming it if invalid."""
+    if response_format is None or response_format.type == "text":
+        return None
+    if response_format.type == "json_object":
+        return JSON_OBJECT
+    if response_format.json_schema is None:
+        raise APIError(400, "'response_format' of type json_schema needs 'json_schema'", "response_format")
+    grammar = Grammar.json_schema(response_format.json_schema.schema_)
+    try:
+        grammar.compiled()
+    except FlexDraftError as e:
+        raise APIError(400, f"'response_format': {e}", "response_format") from None
+    return grammar
 
 
 def _draft_cap(options) -> int | None:
@@ -211,27 +263,103 @@ def usage(req: Request, completion_tokens: int) -> dict:
     return {"prompt_tokens": n, "completion_tokens": completion_tokens, "total_tokens": n + completion_tokens}
 
 
-def speculation(generation: Generation | None) -> dict:
-    """The FlexDraft extension of a response: the request's mean accepted length (tokens per target forward)
-    and the share of its steps in each decoding mode."""
-    if generation is None:
+def speculation(generations: list[Generation | None]) -> dict:
+    """The FlexDraft extension of a response: over the request's choices, the mean accepted length (tokens per
+    target forward after each choice's first token), the target forwards and their share in each decoding mode."""
+    done = [g for g in generations if g is not None]
+    forwards = sum(g.stats.forwards for g in done)
+    if not done:
         return {}
-    stats = generation.stats
-    return {"mean_accepted_length": round(stats.tau, 4), "target_forwards": stats.forwards,
-            "mode_share": stats.mode_share}
-
-
-def response(req: Request, text: str, token_ids: list[int], generation: Generation | None, stopped: bool) -> dict:
-    choice = {"index": 0, "finish_reason": finish_reason(generation, stopped), "logprobs": None}
-    if req.chat:
-        choice["message"] = {"role": "assistant", "content": text}
+    if len(done) == 1:
+        tau, share = done[0].stats.tau, done[0].stats.mode_share
     else:
-        choice["text"] = text
+        tau = sum(len(g.token_ids) - 1 for g in done) / forwards if forwards else 1.0
+        share = {}
+        for g in done:
+            for mode, s in g.stats.mode_share.items():
+                share[mode] = share.get(mode, 0.0) + s * g.stats.forwards / forwards
+    return {"mean_accepted_length": round(tau, 4), "target_forwards": forwards, "mode_share": share}
+
+
+def _byte_level() -> dict[str, int]:
+    """Byte-level BPE's alphabet (GPT-2's, SmolLM2's): the printable character that stands for each byte."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+BYTE_OF = _byte_level()
+
+
+class TokenTexts:
+    """A token id -> its text and UTF-8 bytes, as OpenAI's logprobs show them (a byte-level token that holds part
+    of a character: its bytes exactly, its text with U+FFFD for the partial character)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.of = lru_cache(maxsize=1 << 16)(self._of)
+
+    def _of(self, token: int) -> tuple[str, list[int]]:
+        piece = self.tokenizer.convert_ids_to_tokens(token)
+        if isinstance(piece, str) and piece and all(c in BYTE_OF for c in piece):
+            raw = bytes(BYTE_OF[c] for c in piece)
+            return raw.decode("utf-8", errors="replace"), list(raw)
+        text = self.tokenizer.decode([token])
+        return text, list(text.encode("utf-8"))
+
+
+def _logprob(value: float) -> float:
+    return max(value, -9999.0)  # (as vLLM: JSON has no -Infinity)
+
+
+def logprobs_body(req: Request, texts: TokenTexts, logprobs: list[TokenLogprob] | None, offset: int = 0) -> dict | None:
+    """OpenAI's `logprobs` of a choice (or a stream chunk's) for these tokens: chat's `content` list, or the
+    completions' `tokens` / `token_logprobs` / `top_logprobs` / `text_offset` (offset: characters before them)."""
+    if logprobs is None or req.params.logprobs is None:
+        return None
+    if req.chat:
+        def entry(token, value):
+            text, raw = texts.of(token)
+            return {"token": text, "logprob": _logprob(value), "bytes": raw}
+
+        return {"content": [entry(lp.token, lp.logprob) | {"top_logprobs": [entry(t, v) for t, v in lp.top]}
+                            for lp in logprobs], "refusal": None}
+    tokens = [texts.of(lp.token)[0] for lp in logprobs]
+    offsets = []
+    for text in tokens:
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": [_logprob(lp.logprob) for lp in logprobs],
+            "top_logprobs": [{texts.of(t)[0]: _logprob(v) for t, v in (*lp.top, (lp.token, lp.logprob))}
+                             for lp in logprobs],
+            "text_offset": offsets}
+
+
+def choice(req: Request, index: int, text: str, token_ids: list[int], generation: Generation | None, stopped: bool,
+           logprobs: dict | None = None) -> dict:
+    """One choice of a whole response."""
+    body = {"index": index, "finish_reason": finish_reason(generation, stopped), "logprobs": logprobs}
+    if req.chat:
+        body["message"] = {"role": "assistant", "content": text}
+    else:
+        body["text"] = text
     if req.return_token_ids:
-        choice["token_ids"] = token_ids
+        body["token_ids"] = token_ids
+    return body
+
+
+def response(req: Request, choices: list[dict], completion_tokens: int, generations: list[Generation | None]) -> dict:
+    """The whole response: its choices, the usage (completion tokens of every choice generated) and FlexDraft's
+    speculation block."""
     return {"id": req.id, "object": "chat.completion" if req.chat else "text_completion", "created": req.created,
-            "model": req.model, "choices": [choice], "usage": usage(req, len(token_ids)),
-            "flexdraft": speculation(generation)}
+            "model": req.model, "choices": choices, "usage": usage(req, completion_tokens),
+            "flexdraft": speculation(generations)}
 
 
 def sse(payload: dict) -> str:
@@ -240,19 +368,20 @@ def sse(payload: dict) -> str:
 
 
 def chunk(req: Request, text: str | None, token_ids: list[int] | None = None, finish: str | None = None,
-          first: bool = False) -> dict:
-    """One stream chunk of new text (text None: the usage-only last chunk has no choices)."""
+          first: bool = False, logprobs: dict | None = None, index: int = 0) -> dict:
+    """One stream chunk of new text (text None: the usage-only last chunk has no choices); token_ids and logprobs:
+    the tokens since the last chunk."""
     body = {"id": req.id, "object": "chat.completion.chunk" if req.chat else "text_completion",
             "created": req.created, "model": req.model, "choices": []}
     if text is not None:
-        choice = {"index": 0, "finish_reason": finish, "logprobs": None}
+        delta = {"index": index, "finish_reason": finish, "logprobs": logprobs}
         if req.chat:
-            choice["delta"] = ({"role": "assistant"} if first else {}) | ({"content": text} if text else {})
+            delta["delta"] = ({"role": "assistant"} if first else {}) | ({"content": text} if text else {})
         else:
-            choice["text"] = text
+            delta["text"] = text
         if req.return_token_ids:
-            choice["token_ids"] = token_ids or []
-        body["choices"].append(choice)
+            delta["token_ids"] = token_ids or []
+        body["choices"].append(delta)
     return body
 
 
@@ -267,6 +396,10 @@ def fit_to_engine(req: Request, engine) -> None:
     if not req.max_tokens_given:
         room = engine.config.max_len - engine.slots_needed(len(req.prompt_ids), 0)
         req.params.max_new_tokens = min(req.params.max_new_tokens, room)
+    V = engine.target.args.vocab_size
+    bad = [t for t, _ in req.params.logit_bias if t >= V]
+    if bad:
+        raise APIError(400, f"'logit_bias' has token id {bad[0]} outside the vocabulary of {V}", "logit_bias")
     try:
         engine.check_request(req.prompt_ids, req.params)
     except ContextTooLong as e:

@@ -9,12 +9,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from flexdraft.speculative.sampling import SEED_RANGE
+from flexdraft.speculative.sampling import MAX_LOGPROBS, SEED_RANGE
 
 MAX_TEXT_CHARS = 1_000_000  # a prompt or message (the body limit bounds the whole request too)
 MAX_PROMPT_TOKENS = 1 << 20  # a token-id prompt; the engine's cache bounds it again per deployment
 MAX_STOP_CHARS = 256
 MAX_MESSAGES = 4096
+MAX_CHOICES = 16  # n, best_of: the choices of one request are rows of the engine's batch
 
 
 def _unicode(text: str) -> str:
@@ -29,6 +30,8 @@ def _unicode(text: str) -> str:
 Text = Annotated[str, Field(max_length=MAX_TEXT_CHARS), AfterValidator(_unicode)]
 Stop = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS), AfterValidator(_unicode)]
 TokenIds = Annotated[list[Annotated[int, Field(ge=0, lt=2 ** 31)]], Field(min_length=1, max_length=MAX_PROMPT_TOKENS)]
+Penalty = Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)]
+TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]{1,10}$")]  # logit_bias keys: token ids as JSON object keys
 
 
 class _Strict(BaseModel):
@@ -37,6 +40,21 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+
+
+class JsonSchema(_Strict):
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    description: Annotated[str, Field(max_length=4096)] | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema",
+                                    description="the JSON schema the answer must validate against")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's response_format: text, any JSON object, or JSON valid against a schema. The answer is decoded
+    under the grammar (drafts and verification masked by it), so it parses whatever the model would say."""
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
 
 
 class SpeculationOptions(_Strict):
@@ -65,20 +83,27 @@ class _Sampling(_Strict):
     stop_token_ids: Annotated[list[Annotated[int, Field(ge=0, lt=2 ** 31)]], Field(max_length=64)] | None = Field(
         None, description="vLLM extension: more token ids that end the answer (the id stays in token_ids)")
     flexdraft: SpeculationOptions | None = None
-    # OpenAI fields FlexDraft does not serve: refused unless at their no-op value (openai_api.UNSUPPORTED)
-    n: int | None = None
-    best_of: int | None = None
-    logprobs: bool | int | None = None
-    top_logprobs: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
+    # the target's distribution as the request asks (each draft is verified against exactly it)
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: Annotated[float, Field(gt=0, le=10, allow_inf_nan=False)] | None = Field(
+        None, description="vLLM extension: a prompt or output token's logit divided by this (times, if negative)")
+    logit_bias: Annotated[dict[TokenIdKey, Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]],
+                          Field(max_length=300)] | None = None
+    min_tokens: Annotated[int, Field(ge=0, le=1 << 20)] = Field(
+        0, description="vLLM extension: no end-of-sequence or stop token before this many tokens")
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = Field(
+        1, description="choices to generate; they share the prompt's prefill and decode as rows of one batch")
+    response_format: ResponseFormat | None = None
 
 
 class CompletionRequest(_Sampling):
     """POST /v1/completions. `prompt`: text, token ids, or a batch of exactly one of either."""
     prompt: Text | TokenIds | Annotated[list[Text | TokenIds], Field(min_length=1, max_length=64)]
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = Field(
+        None, description="each token's log-probability and this many most likely alternatives")
+    best_of: Annotated[int, Field(ge=1, le=MAX_CHOICES)] | None = Field(
+        None, description="generate this many choices and return the n of highest log-probability (not streamed)")
     echo: bool | None = None
     suffix: str | None = None
 
@@ -97,6 +122,9 @@ class ChatMessage(_Strict):
 class ChatCompletionRequest(_Sampling):
     """POST /v1/chat/completions."""
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    logprobs: bool = Field(False, description="each token's log-probability (and top_logprobs alternatives)")
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = Field(
+        None, description="with logprobs: this many most likely alternatives per token")
     max_completion_tokens: Annotated[int, Field(ge=1, le=1 << 20)] | None = None
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None

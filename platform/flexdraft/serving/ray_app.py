@@ -33,9 +33,14 @@ from flexdraft.serving.mlflow_reporter import MlflowReporter
 from flexdraft.serving.openai_api import (
     APIError,
     TextStream,
+    TokenTexts,
+    best,
+    choice,
+    choice_params,
     chunk,
     finish_reason,
     fit_to_engine,
+    logprobs_body,
     parse_request,
     response,
     speculation,
@@ -110,6 +115,7 @@ class Reader:
     def __init__(self, stream: AsyncIterator[Chunk], text: TextStream):
         self.stream, self.text = stream, text
         self.ids: list[int] = []
+        self.logprobs: list = []  # one per id, when the request asks for them
         self.last = None  # the finished generation, once it came
         self.t_first: float | None = None
         self.done = False
@@ -120,6 +126,7 @@ class Reader:
                 async for c in self.stream:
                     self.t_first = self.t_first or time.perf_counter()
                     self.ids += c.tokens
+                    self.logprobs += c.logprobs or []
                     delta = self.text.add(c.tokens, final=c.finished is not None)
                     self.last = c.finished
                     self.done = self.text.stopped or self.last is not None
@@ -128,6 +135,24 @@ class Reader:
                         return
         finally:
             await self.stream.aclose()
+
+    async def whole(self, timeout_s: float) -> str:
+        """The choice's whole text."""
+        return "".join([delta async for _, delta in self.read(timeout_s)])
+
+    async def chunks(self, req, texts: TokenTexts, index: int, timeout_s: float) -> AsyncIterator[dict]:
+        """The choice's stream chunks: one per engine step that made text (carrying every token since the last
+        chunk, with their logprobs where asked), the last with its finish_reason."""
+        sent = offset = 0  # tokens in chunks so far; characters of their tokens' texts (completions' text_offset)
+        first = True
+        async for _, delta in self.read(timeout_s):
+            if delta or self.done or first:
+                finish = finish_reason(self.last, self.text.stopped) if self.done else None
+                logprobs = logprobs_body(req, texts, self.logprobs[sent:], offset)
+                if logprobs is not None and not req.chat:
+                    offset += sum(map(len, logprobs["tokens"]))
+                yield chunk(req, delta, self.ids[sent:], finish, first=first, logprobs=logprobs, index=index)
+                sent, first = len(self.ids), False
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 2}, max_ongoing_requests=64)
@@ -170,6 +195,7 @@ class FlexDraftServer:
         except FlexDraftError as e:
             raise ValueError(f"bad user_config: {e}") from None
         old, old_reporter, self.lm, self.cfg = self.engine, self.reporter, lm, cfg
+        self.texts = TokenTexts(lm.tokenizer)
         Guard.configure(GuardSettings(cfg.max_body_bytes, cfg.api_key_env))
         self.name = cfg.served_model_name or lm.name
         self.engine = self.metrics.source = AsyncEngine(engine, on_step=self.metrics.on_step)
@@ -254,35 +280,64 @@ class FlexDraftServer:
             fit_to_engine(req, engine.engine)
         except APIError as e:
             return _error(e)
-        stream = engine.generate(req.prompt_ids, req.params)
+        # each choice is a request of its own in the engine's batch (they share the prompt's prefill)
+        readers = [Reader(engine.generate(req.prompt_ids, params), TextStream(self.lm.tokenizer, req.stop))
+                   for params in choice_params(req)]
         if req.stream:
-            return StreamingResponse(self._events(req, stream, t0, cfg.request_timeout_s),
+            return StreamingResponse(self._events(req, readers, t0, cfg.request_timeout_s),
                                      media_type="text/event-stream")
-        reader = Reader(stream, TextStream(self.lm.tokenizer, req.stop))
-        try:
-            out = [delta async for _, delta in reader.read(cfg.request_timeout_s)]
-        except (FlexDraftError, EngineFailed, TimeoutError) as e:
-            return _error(_engine_error(e, cfg))
-        self.metrics.request_done(t0, reader.t_first, len(reader.ids))
-        return JSONResponse(response(req, "".join(out), reader.ids, reader.last, reader.text.stopped))
+        failure = None
+        try:  # (a choice that fails cancels the others: their rows are freed)
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(r.whole(cfg.request_timeout_s)) for r in readers]
+        except* (FlexDraftError, EngineFailed, TimeoutError) as failed:
+            failure = failed.exceptions[0]
+        if failure is not None:
+            return _error(_engine_error(failure, cfg))
+        self._done(t0, readers)
+        kept = best([r.last for r in readers], req.n) if req.best_of > req.n else range(req.n)
+        choices = [choice(req, i, tasks[k].result(), readers[k].ids, readers[k].last, readers[k].text.stopped,
+                          logprobs_body(req, self.texts, readers[k].logprobs)) for i, k in enumerate(kept)]
+        return JSONResponse(response(req, choices, sum(len(r.ids) for r in readers), [r.last for r in readers]))
 
-    async def _events(self, req, stream, t0: float, timeout_s: float):
-        """Server-sent events: a chunk per engine step that made text, the last with its finish_reason, then usage
-        (stream_options.include_usage) and `data: [DONE]`; an error ends the stream with an error event."""
-        reader, first = Reader(stream, TextStream(self.lm.tokenizer, req.stop)), True
+    def _done(self, t0: float, readers: list[Reader]) -> None:
+        firsts = [r.t_first for r in readers if r.t_first is not None]
+        self.metrics.request_done(t0, min(firsts) if firsts else None, sum(len(r.ids) for r in readers))
+
+    async def _events(self, req, readers: list[Reader], t0: float, timeout_s: float):
+        """Server-sent events: each choice's chunks as its engine steps make text (`Reader.chunks`), interleaved,
+        then usage (stream_options.include_usage) and `data: [DONE]`; an error ends the stream with an error
+        event. A client that leaves cancels every choice (their rows are freed)."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, reader: Reader):
+            try:
+                async for body in reader.chunks(req, self.texts, index, timeout_s):
+                    await queue.put(body)
+                await queue.put(None)
+            except (FlexDraftError, EngineFailed, TimeoutError) as e:
+                await queue.put(e)
+
+        tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(readers)]
         try:
-            async for c, delta in reader.read(timeout_s):
-                if delta or reader.done or first:
-                    finish = finish_reason(reader.last, reader.text.stopped) if reader.done else None
-                    yield sse(chunk(req, delta, c.tokens, finish, first=first))
-                    first = False
-        except (FlexDraftError, EngineFailed, TimeoutError) as e:
-            yield sse(_engine_error(e, self.cfg).body())
-            yield "data: [DONE]\n\n"
-            return
+            left = len(tasks)
+            while left:
+                item = await queue.get()
+                if item is None:
+                    left -= 1
+                elif isinstance(item, Exception):
+                    yield sse(_engine_error(item, self.cfg).body())
+                    yield "data: [DONE]\n\n"
+                    return
+                else:
+                    yield sse(item)
+        finally:
+            for task in tasks:
+                task.cancel()
         if req.include_usage:
-            yield sse(chunk(req, None) | {"usage": usage(req, len(reader.ids)), "flexdraft": speculation(reader.last)})
-        self.metrics.request_done(t0, reader.t_first, len(reader.ids))
+            yield sse(chunk(req, None) | {"usage": usage(req, sum(len(r.ids) for r in readers)),
+                                          "flexdraft": speculation([r.last for r in readers])})
+        self._done(t0, readers)
         yield "data: [DONE]\n\n"
 
 

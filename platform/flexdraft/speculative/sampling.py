@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from flexdraft.core.errors import FlexDraftError
+from flexdraft.speculative.grammar import Grammar
 
 SAMPLING_EPS = 1e-5  # a temperature below this decodes greedily (as vLLM): logits / 1e-300 would be inf
 SEED_RANGE = (-(2 ** 63), 2 ** 64 - 1)  # what torch.Generator.manual_seed takes
@@ -32,6 +33,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # times the token's count in the output, subtracted
     repetition_penalty: float = 1.0  # a token of the prompt or output: its logit divided by this if > 0, else times
     logprobs: int | None = None  # report each token's log-probability and this many alternatives (None: none)
+    grammar: Grammar | None = None  # what the output must match (the engine masks the target's logits by it)
 
     def __post_init__(self):
         def number(name, value, integer=False):
@@ -74,6 +76,8 @@ class SamplingParams:
             number("logprobs", self.logprobs, integer=True)
             if not 0 <= self.logprobs <= MAX_LOGPROBS:
                 raise FlexDraftError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
+        if self.grammar is not None and not isinstance(self.grammar, Grammar):
+            raise FlexDraftError(f"grammar must be a Grammar, got {type(self.grammar).__name__}")
         if self.seed is not None:
             number("seed", self.seed, integer=True)
             if not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:

@@ -1,0 +1,135 @@
+"""Grammar-constrained decoding (OpenAI's `response_format`): a request's grammar as a value (`Grammar`), compiled
+by llguidance against the target's tokenizer (`Grammars`) into a `Matcher` per request, which says for each verify
+position which tokens may come next, given the request's output and the drafts on that position's path.
+
+The engine masks the target's logits with it before the rejection sampler (`constrained`), so every draft is
+judged against the constrained distribution: a draft the grammar forbids has probability 0 and is never accepted,
+and the bonus is drawn from the masked distribution. The matcher consumes only emitted tokens; the drafts it walks
+to mask a step's positions are rolled back at once, so nothing is left to undo after a rejection.
+
+Shapes: T = verify positions per row (1 + N draft nodes), V = vocabulary."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import llguidance
+import llguidance.hf
+import torch
+
+from flexdraft.core.errors import FlexDraftError
+from flexdraft.speculative.drafts import Drafts
+
+KINDS = ("json_schema", "regex", "lark")
+# JSON is laid out as json.dumps lays it out, with no free whitespace: a model cannot stall in blank space
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """What a request's output must match: a JSON schema (as JSON text), a regular expression, or a Lark grammar."""
+    kind: str
+    spec: str
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise FlexDraftError(f"grammar kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+
+    @staticmethod
+    def json_schema(schema: dict) -> Grammar:
+        return Grammar("json_schema", json.dumps(schema, sort_keys=True))
+
+    def compiled(self) -> str:
+        """llguidance's form of the grammar (FlexDraftError naming what is wrong with it)."""
+        try:
+            if self.kind == "json_schema":
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(self.spec, defaults=JSON_LAYOUT)
+            elif self.kind == "regex":
+                grammar = llguidance.LLMatcher.grammar_from_regex(self.spec)
+            else:
+                grammar = llguidance.LLMatcher.grammar_from_lark(self.spec)
+        except ValueError as e:
+            raise FlexDraftError(f"the {self.kind} grammar is not valid: {e}") from None
+        error = llguidance.LLMatcher.validate_grammar(grammar)
+        if error:
+            raise FlexDraftError(f"the {self.kind} grammar is not valid: {error}")
+        return grammar
+
+
+JSON_OBJECT = Grammar.json_schema({"type": "object"})  # response_format json_object: any JSON object
+
+
+class Grammars:
+    """Compiles grammars against one tokenizer (a fast `transformers` tokenizer; its llguidance form is built at
+    the first grammar, ~0.4 s for SmolLM2's). vocab_size: the target's (its logits' V)."""
+
+    def __init__(self, tokenizer, vocab_size: int):
+        self.tokenizer, self.V = tokenizer, vocab_size
+        self._ll: llguidance.LLTokenizer | None = None
+
+    def matcher(self, grammar: Grammar) -> Matcher:
+        if self._ll is None:
+            self._ll = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.V)
+        m = llguidance.LLMatcher(self._ll, grammar.compiled(), log_level=0)
+        if m.is_error():
+            raise FlexDraftError(f"the {grammar.kind} grammar is not valid: {m.get_error()}")
+        return Matcher(m, self.V, self.tokenizer.eos_token_id)
+
+
+class Matcher:
+    """One request's grammar state: where its emitted tokens have brought it."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, eos: int | None):
+        self.m, self.V, self.eos = matcher, vocab_size, eos
+        self.bits = torch.arange(32, dtype=torch.int32)
+
+    def _mask(self) -> torch.Tensor:
+        """[V] bool: the tokens the grammar allows next (an error state allows only EOS: the request ends)."""
+        words = torch.frombuffer(bytearray(self.m.compute_bitmask()), dtype=torch.int32)
+        allowed = ((words[:, None] >> self.bits) & 1).bool().flatten()
+        out = torch.zeros(self.V, dtype=torch.bool)
+        k = min(self.V, allowed.numel())
+        out[:k] = allowed[:k]
+        if not out.any() and self.eos is not None:
+            out[self.eos] = True
+        return out
+
+    def masks(self, paths: list[list[int]]) -> torch.Tensor:
+        """[T, V] bool: the tokens allowed at each verify position, whose path (the drafts before it) is paths[t].
+        A position behind a draft the grammar forbids is never reached (that draft is rejected first): it is left
+        unmasked."""
+        out = torch.ones(len(paths), self.V, dtype=torch.bool)
+        for t, path in enumerate(paths):
+            walked = self.m.try_consume_tokens(path) if path else 0
+            try:
+                if walked == len(path):
+                    out[t] = self._mask()
+            finally:
+                if walked:
+                    self.m.rollback(walked)
+        return out
+
+    def consume(self, tokens: list[int]) -> None:
+        """The request emitted these tokens (a token the grammar forbids puts it in an error state: EOS next)."""
+        if tokens:
+            self.m.consume_tokens(tokens)
+
+
+def draft_paths(drafts: Drafts | None, row: int) -> list[list[int]]:
+    """The drafts before each verify position of a row: [] at the bonus's, a node's path (its ancestors' tokens
+    and its own, root first) after it. [[]] without drafts."""
+    if drafts is None or not drafts.nodes:
+        return [[]]
+    paths = [[]]
+    for token, parent in zip(drafts.tokens[row].tolist(), drafts.parent[row].tolist()):
+        paths.append(paths[parent] + [token])  # (parents come before their children)
+    return paths
+
+
+def constrained(logits: torch.Tensor, rows: list[int], matchers: list[Matcher], drafts: Drafts | None) -> torch.Tensor:
+    """logits [n, T, V] -> a copy with the tokens each of `rows`' grammar forbids at each position at -inf."""
+    out = logits.clone()
+    for row, matcher in zip(rows, matchers):
+        allowed = matcher.masks(draft_paths(drafts, row)).to(logits.device)  # [T, V]
+        out[row] = out[row].masked_fill(~allowed, float("-inf"))
+    return out
