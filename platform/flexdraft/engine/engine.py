@@ -34,25 +34,18 @@ from flexdraft.drafter.model import Drafter, parallel_forward
 from flexdraft.engine import profiling
 from flexdraft.engine.ar import prefill
 from flexdraft.engine.config import EngineConfig, resolve
+from flexdraft.engine.options import emitted_logprobs, processed, shared_prefills
 from flexdraft.engine.proposers import DrafterProposer, LookupProposer, ModelFreeProposer, critical_rows
 from flexdraft.engine.state import Request, RowState, draft_caps, speculating_share
 from flexdraft.engine.stats import IDLE, PREFILL, Recovery, SpecDecodingStats, StepOutput, StepStats
 from flexdraft.models.transformer import Transformer
 from flexdraft.speculative.branches import AcceptanceModel, branch_anchors
 from flexdraft.speculative.drafts import Chains, Drafts, Mode, Plan, Verdict
-from flexdraft.speculative.grammar import Grammars, constrained
+from flexdraft.speculative.grammar import Grammars
 from flexdraft.speculative.lookup import NgramIndex, NgramStore
-from flexdraft.speculative.penalties import History, penalised
 from flexdraft.speculative.planner import LOOKUP_MARGIN, Planner
 from flexdraft.speculative.policy_file import Band, Policy
-from flexdraft.speculative.sampling import (
-    Generation,
-    SamplingBatch,
-    SamplingParams,
-    TokenLogprob,
-    make_generator,
-    token_logprobs,
-)
+from flexdraft.speculative.sampling import Generation, SamplingBatch, SamplingParams, make_generator
 from flexdraft.speculative.trees import path_slots, tree_mask
 from flexdraft.speculative.verify import rejection_sample
 
@@ -297,35 +290,6 @@ class Engine:
     def _sampling(self, requests: list[Request]) -> SamplingBatch:
         return SamplingBatch.of([r.params for r in requests], [r.generator for r in requests], self.target.device)
 
-    @staticmethod
-    def _processed(logits: torch.Tensor, requests: list[Request], drafts: Drafts | None) -> torch.Tensor:
-        """logits [n, T, V] of the requests' rows -> as each request's penalties, bias and min_tokens make them
-        (`penalties.penalised`), then masked by its grammar (`grammar.constrained`); the same tensor when no request
-        asks for either."""
-        rows = [i for i, r in enumerate(requests) if r.params.processes]
-        if rows:
-            logits = penalised(logits, rows, [requests[i].params for i in rows],
-                               [History(requests[i].prompt, requests[i].tokens, requests[i].stop) for i in rows],
-                               drafts)
-        rows = [i for i, r in enumerate(requests) if r.matcher is not None]
-        if rows:
-            logits = constrained(logits, rows, [requests[i].matcher for i in rows], drafts)
-        return logits
-
-    @staticmethod
-    def _logprobs(logits: torch.Tensor, requests: list[Request], tokens: torch.Tensor,
-                  positions: torch.Tensor | None = None) -> dict[int, list[TokenLogprob]]:
-        """{row: the TokenLogprob of each of tokens [n, P]} for the rows whose request asks for logprobs; logits
-        [n, T, V] (raw, as the target made them), positions [n, P] the verify index that emitted each token
-        (None: 0..P-1)."""
-        rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
-        if not rows:
-            return {}
-        at = torch.tensor(rows, dtype=torch.long, device=logits.device)
-        x = logits[at] if positions is None else logits[at[:, None], positions[at]]  # [s, P, V]
-        lps = token_logprobs(x, tokens[at], [requests[i].params.logprobs for i in rows])
-        return dict(zip(rows, lps))
-
     def _options(self, n: int, band: Band, first: list[int] | None) -> list[Chains]:
         """Every model-free proposer's candidate drafts for rows 0..n-1 (see `ModelFreeProposer.options`)."""
         return [o for p in self.model_free for o in p.options(self.slots[:n], band, first)]
@@ -371,14 +335,7 @@ class Engine:
         new.sort(key=lambda r: -(len(r.prompt) + len(r.tokens)))
         # requests with the same tokens (the n choices of one prompt) share a prefill: the first of them is
         # prefilled, the others' rows (after the prefilled ones) copy its cache row
-        key = lambda req: tuple(req.prompt + req.tokens)  # noqa: E731
-        firsts: dict[tuple, int] = {}  # tokens -> the index in `new` of the first request holding them
-        for i, req in enumerate(new):
-            firsts.setdefault(key(req), i)
-        unique = [new[i] for i in firsts.values()]
-        new = unique + [req for i, req in enumerate(new) if firsts[key(req)] != i]
-        prefilled = {k: j for j, k in enumerate(firsts)}
-        of = [prefilled[key(req)] for req in new]  # [k]: the prefilled row (from n0) each row copies
+        new, unique, of = shared_prefills(new)
         n0 = len(self.slots)
         self.slots.extend(new)  # rows first: a prefill that raises leaves them to `recover`, not lost
         stats = self.stats  # a prefill step: its rows decode from the next step on
@@ -389,10 +346,10 @@ class Engine:
         for row in range(len(unique), len(new)):
             self.cache.copy_row(n0 + of[row], n0 + row)
         logits = self.target.logits(h)[torch.tensor(of, device=h.device), None]  # [k, 1, V]
-        first = self._sampling(new).sample(self._processed(logits, new, None)[:, 0])  # [k]
+        first = self._sampling(new).sample(processed(logits, new, None)[:, 0])  # [k]
         self.state.bonus[rows] = first
         self.state.ndrafts[rows] = 0
-        logprobs = self._logprobs(logits, new, first[:, None])
+        logprobs = emitted_logprobs(logits, new, first[:, None])
         return [(req, req.emit([tok], logprobs.get(i))) for i, (req, tok) in enumerate(zip(new, first.tolist()))]
 
     def recover(self) -> Recovery:
@@ -424,7 +381,7 @@ class Engine:
         """One target forward over [bonus, nodes] of rows 0..n-1 (a parallel plan: the most probable branches ride
         along, `branch_anchors`), the rejection sampler over at most caps [n] drafts per row, the accepted path
         committed -> (request, its emitted tokens) per row; a parallel step's matched branches become the rows' next
-        drafts. The sampler judges against the logits as each request's penalties make them (`_processed`)."""
+        drafts. The sampler judges against the logits as each request's penalties make them (`options.processed`)."""
         n = drafts.rows
         lens = self.cache.lens[:n].clone()
         anchors = None
@@ -433,7 +390,7 @@ class Engine:
             anchors = branch_anchors(drafts.probs, band.rho, band.top_m, plan.branches)  # [n, m]
             self.stats.branches = float(anchors.shape[1])
         logits, hb = self._verify_forward(drafts, lens, anchors)
-        verdict = rejection_sample(self._processed(logits, self.slots[:n], drafts), drafts, caps, batch)
+        verdict = rejection_sample(processed(logits, self.slots[:n], drafts), drafts, caps, batch)
         out = self._commit(lens, drafts, verdict, caps, plan.block, logits)
         if hb is not None:
             misses = self.proposer.take_branches(hb, anchors, verdict.accepted, verdict.bonus, self.slots, batch,
@@ -475,7 +432,7 @@ class Engine:
             path, src = self._move_path(lens, drafts, verdict)
         emitted = torch.cat((path, verdict.bonus[:, None]), dim=1).scatter(1, accepted[:, None], verdict.bonus[:, None])
         positions = None if src is None else torch.cat((src.new_zeros(n, 1), src.clamp(max=drafts.nodes)), dim=1)
-        logprobs = self._logprobs(logits, self.slots[:n], emitted, positions)  # [n, Bv + 1]: drafts, bonus at acc
+        logprobs = emitted_logprobs(logits, self.slots[:n], emitted, positions)  # [n, Bv + 1]: drafts, bonus at acc
         self.cache.lens[:n] = lens + accepted + 1
         self.state.bonus[:n] = verdict.bonus
         self.state.ndrafts[:n] = 0
