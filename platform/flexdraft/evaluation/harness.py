@@ -39,6 +39,7 @@ from flexdraft.evaluation.peers import Peer, peer_python
 from flexdraft.evaluation.report import line, noise_floor, plot, report, summary
 from flexdraft.models.loading import load_model
 from flexdraft.speculative.drafts import Mode
+from flexdraft.speculative.grammar import Grammar
 from flexdraft.speculative.sampling import SamplingParams
 
 log = logs.get("bench")
@@ -61,6 +62,13 @@ class HarnessConfig:
     # differ from AR's draw for draw, so rows are not compared (the engine tests check the distributions)
     temperature: float = 0.0
     top_p: float = 1.0
+    # what every request asks beyond sampling, as a server's clients do (OpenAI's options FlexDraft serves while it
+    # speculates): penalties, and a JSON schema the answer must match (response_format json_schema). Every engine
+    # method decodes under them; the transformers methods and the peers do not take them and are skipped
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    json_schema: dict | None = None
     answer_tokens: int = 128  # multi-turn sets: length of the model's own earlier answers (greedy AR)
     repeats: int = 1
     methods: list[str] = field(default_factory=lambda: [m for m in METHODS if m not in OPT_IN])
@@ -90,7 +98,9 @@ class HarnessConfig:
         if per_method:
             raise FlexDraftError(f"engine.{per_method[0]} is set per method and batch size by the harness: remove it")
         from_dict(EngineConfig, self.engine, ".engine")  # unknown keys and wrong types, named
-        self.params()  # temperature and top_p checked as the engine will take them
+        params = self.params()  # temperature, top_p and penalties checked as the engine will take them
+        if params.grammar is not None:
+            params.grammar.compiled()  # (an invalid json_schema, named)
         if self.all_branches_max_batch < 0:
             raise FlexDraftError(f"all_branches_max_batch must be >= 0 (0 = no limit), got {self.all_branches_max_batch}")
         clash = sorted(set(self.policies) & set(METHODS))
@@ -117,7 +127,15 @@ class HarnessConfig:
 
     def params(self, max_new_tokens: int | None = None) -> SamplingParams:
         return SamplingParams(max_new_tokens=max_new_tokens or self.max_new_tokens, temperature=self.temperature,
-                              top_p=self.top_p, seed=self.seed)
+                              top_p=self.top_p, seed=self.seed, presence_penalty=self.presence_penalty,
+                              frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+                              grammar=Grammar.json_schema(self.json_schema) if self.json_schema else None)
+
+    @property
+    def plain(self) -> bool:
+        """Whether requests ask for nothing beyond greedy decoding or sampling (what every method runs)."""
+        p = self.params()
+        return not (p.processes or p.grammar)
 
 
 def cell_work(prompts: int, batch: int, max_new_tokens: int) -> float:
@@ -147,6 +165,8 @@ def load_harness_config(path: str | Path) -> HarnessConfig:
 def skip_reason(method: str, batch: int, cfg: HarnessConfig) -> str | None:
     if cfg.method(method).kind != "engine" and cfg.temperature > 0:
         return "the transformers methods and the peers run greedy only here"
+    if cfg.method(method).kind != "engine" and not cfg.plain:
+        return "the transformers methods and the peers run without penalties and grammars here"
     if method == "hf-prompt-lookup" and batch > 1:
         return "transformers prompt lookup runs at batch 1 only"  # "assisted generate is only supported for batch_size = 1"
     if method in ("parallel", "parallel-uncalibrated") and 0 < cfg.all_branches_max_batch < batch:
