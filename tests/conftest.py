@@ -1,7 +1,12 @@
 import json
 import os
+import shutil
+import socket
 import subprocess
 import sys
+import tempfile
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -246,3 +251,54 @@ def ray_head():
     ray.shutdown()
     os.environ.pop("RAY_ADDRESS", None)
     subprocess.run([RAY, "stop", "--force"], env=ENV, capture_output=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_mlflow_server(store: str, root: Path) -> tuple[subprocess.Popen, str]:
+    """`mlflow server` over `store`, its artifacts proxied (as the local cluster runs it) -> (process, URI)."""
+    port = free_port()
+    env = {**ENV, "MLFLOW_TRACKING_URI": "", "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port), "--workers",
+                             "1", "--backend-store-uri", store, "--artifacts-destination", str(root / "artifacts")],
+                            env=env, stdout=open(root / "server.log", "w"), stderr=subprocess.STDOUT)
+    uri = f"http://127.0.0.1:{port}"
+    for _ in range(240):
+        try:
+            with urllib.request.urlopen(uri + "/health", timeout=2):
+                return proc, uri
+        except OSError:
+            assert proc.poll() is None, (root / "server.log").read_text()[-3000:]
+            time.sleep(0.5)
+    proc.kill()
+    raise AssertionError("mlflow server did not start: " + (root / "server.log").read_text()[-3000:])
+
+
+def postgres_store(root: Path) -> tuple[str, callable]:
+    """A throw-away PostgreSQL cluster (Debian's `postgresql` package; run as the `postgres` user when root) ->
+    (its SQLAlchemy URI, stop)."""
+    bins = sorted(Path("/usr/lib/postgresql").glob("*/bin"))
+    if not bins:
+        pytest.skip("PostgreSQL is not installed (apt-get install postgresql)")
+    pytest.importorskip("psycopg2", reason="pip install -e '.[postgres]' (psycopg2-binary)")
+    # (as root: a folder the postgres user can reach; pytest's own temporary folders are private to root)
+    as_user = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+    data = Path(tempfile.mkdtemp(prefix="flexdraft-pg-")) / "data"
+    pg, port = bins[-1], free_port()
+    if as_user:
+        shutil.chown(data.parent, "postgres")
+    run = lambda *cmd: subprocess.run([*as_user, *cmd], check=True, capture_output=True)
+    run(str(pg / "initdb"), "-D", str(data), "-U", "mlflow", "--auth=trust")
+    run(str(pg / "pg_ctl"), "-D", str(data), "-l", str(data / "log"), "-w", "-o",
+        f"-p {port} -k {data} -c listen_addresses=127.0.0.1", "start")
+    run(str(pg / "createdb"), "-h", "127.0.0.1", "-p", str(port), "-U", "mlflow", "mlflow")
+
+    def stop():
+        subprocess.run([*as_user, str(pg / "pg_ctl"), "-D", str(data), "-m", "fast", "stop"], capture_output=True)
+        shutil.rmtree(data.parent, ignore_errors=True)
+
+    return f"postgresql+psycopg2://mlflow@127.0.0.1:{port}/mlflow", stop

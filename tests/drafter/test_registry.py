@@ -4,78 +4,18 @@ the server into a local cache (once) and decodes exactly as its folder does; pro
 loads; a sweep's policy attached to a version loads by the version's URI; every bad reference is one line, before
 any weights load."""
 import json
-import os
 import shutil
-import socket
-import subprocess
-import sys
-import tempfile
 import time
-import urllib.request
 import zlib
-from pathlib import Path
 
 import pytest
 
-from conftest import ENV, make_tiny_hf, recorded_pipeline
+from conftest import free_port, make_tiny_hf, postgres_store, recorded_pipeline, start_mlflow_server
 from flexdraft.cli.main import main
 from flexdraft.core.config import from_dict
 from flexdraft.core.errors import FlexDraftError
 from flexdraft.drafter.recipe import PipelineConfig
 from flexdraft.training.common import run_key
-
-BIN = Path(sys.executable).parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(store: str, root: Path) -> tuple[subprocess.Popen, str]:
-    """`mlflow server` over `store`, its artifacts proxied (as the local cluster runs it) -> (process, URI)."""
-    port = free_port()
-    env = {**ENV, "MLFLOW_TRACKING_URI": "", "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-    proc = subprocess.Popen([str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port), "--workers",
-                             "1", "--backend-store-uri", store, "--artifacts-destination", str(root / "artifacts")],
-                            env=env, stdout=open(root / "server.log", "w"), stderr=subprocess.STDOUT)
-    uri = f"http://127.0.0.1:{port}"
-    for _ in range(240):
-        try:
-            with urllib.request.urlopen(uri + "/health", timeout=2):
-                return proc, uri
-        except OSError:
-            assert proc.poll() is None, (root / "server.log").read_text()[-3000:]
-            time.sleep(0.5)
-    proc.kill()
-    raise AssertionError("mlflow server did not start: " + (root / "server.log").read_text()[-3000:])
-
-
-def postgres_store(root: Path) -> tuple[str, callable]:
-    """A throw-away PostgreSQL cluster (Debian's `postgresql` package; run as the `postgres` user when root) ->
-    (its SQLAlchemy URI, stop)."""
-    bins = sorted(Path("/usr/lib/postgresql").glob("*/bin"))
-    if not bins:
-        pytest.skip("PostgreSQL is not installed (apt-get install postgresql)")
-    pytest.importorskip("psycopg2", reason="pip install -e '.[postgres]' (psycopg2-binary)")
-    # (as root: a folder the postgres user can reach; pytest's own temporary folders are private to root)
-    as_user = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
-    data = Path(tempfile.mkdtemp(prefix="flexdraft-pg-")) / "data"
-    pg, port = bins[-1], free_port()
-    if as_user:
-        shutil.chown(data.parent, "postgres")
-    run = lambda *cmd: subprocess.run([*as_user, *cmd], check=True, capture_output=True)
-    run(str(pg / "initdb"), "-D", str(data), "-U", "mlflow", "--auth=trust")
-    run(str(pg / "pg_ctl"), "-D", str(data), "-l", str(data / "log"), "-w", "-o",
-        f"-p {port} -k {data} -c listen_addresses=127.0.0.1", "start")
-    run(str(pg / "createdb"), "-h", "127.0.0.1", "-p", str(port), "-U", "mlflow", "mlflow")
-
-    def stop():
-        subprocess.run([*as_user, str(pg / "pg_ctl"), "-D", str(data), "-m", "fast", "stop"], capture_output=True)
-        shutil.rmtree(data.parent, ignore_errors=True)
-
-    return f"postgresql+psycopg2://mlflow@127.0.0.1:{port}/mlflow", stop
 
 
 @pytest.fixture(scope="module", params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
@@ -86,7 +26,7 @@ def server(request, tmp_path_factory):
         store, stop = postgres_store(root)
     else:
         store = f"sqlite:///{root / 'mlflow.db'}"
-    proc, uri = start_server(store, root)
+    proc, uri = start_mlflow_server(store, root)
     yield uri
     proc.terminate()
     proc.wait(30)

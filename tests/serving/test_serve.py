@@ -18,7 +18,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import ENV, METRICS_PORT, REPO, recorded_pipeline
+from conftest import ENV, METRICS_PORT, REPO, recorded_pipeline, start_mlflow_server
 from flexdraft.core.config import RuntimeConfig
 from flexdraft.core.data import chat_ids
 from flexdraft.engine.ar import generate
@@ -32,13 +32,15 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 BODY_LIMIT = 1 << 16  # the tiny app's max_body_bytes
 
 
-def application(name: str, route: str, home: Path, model: Path, **deployment) -> dict:
+def application(name: str, route: str, home: Path, model: Path, tracking: str, **deployment) -> dict:
     """serve/config.yaml's application (imported from the installed package, no working_dir: as `flexdraft serve`
-    runs it), renamed and routed, on one of the test's models; `deployment` overrides."""
+    runs it), renamed and routed, on one of the test's models, its MLflow the `tracking` server; `deployment`
+    overrides."""
     cfg = yaml.safe_load((REPO / "serve" / "config.yaml").read_text())
     app = cfg["applications"][0]
     app.update(name=name, route_prefix=route)
-    app["runtime_env"]["env_vars"].update(FLEXDRAFT_HOME=str(home), FLEXDRAFT_API_KEY=KEY)
+    app["runtime_env"]["env_vars"].update(FLEXDRAFT_HOME=str(home), FLEXDRAFT_API_KEY=KEY,
+                                          MLFLOW_TRACKING_URI=tracking)
     d = app["deployments"][0]
     d["ray_actor_options"] = {"num_cpus": 0}  # beside the Ray Train tests' 2 CPUs
     d["user_config"].update(model=str(model), drafter="init", store="none", served_model_name=model.name,
@@ -60,8 +62,9 @@ def replicas(app_name: str) -> dict:
 
 @pytest.fixture(scope="module")
 def apps(ray_head, real_folder, tiny_smollm2, tiny_pipeline, tmp_path_factory):
-    """Three apps of serve/config.yaml in one `serve deploy`: `tiny` at / (one replica, its drafter registered in
-    the apps' MLflow store and named by `models:/flexdraft-drafter-tiny@champion`), `elastic` at /elastic (the
+    """Three apps of serve/config.yaml in one `serve deploy`, their MLflow a real `mlflow server` (SQLite behind it,
+    artifacts proxied: replicas download drafters over HTTP): `tiny` at / (one replica, its drafter registered on
+    the server and named by `models:/flexdraft-drafter-tiny@champion`), `elastic` at /elastic (the
     tiny model with 1-2 replicas, 2 requests each, 2 queued, fast autoscaling and health checks), `real` at /real (SmolLM2).
     -> {"tiny": the tiny model (loaded here for reference outputs), "config": the deployed file, "digest": the
     tiny drafter's weights digest as registered, ...}."""
@@ -70,23 +73,24 @@ def apps(ray_head, real_folder, tiny_smollm2, tiny_pipeline, tmp_path_factory):
 
     root, tiny = tmp_path_factory.mktemp("serve"), tiny_smollm2
     home = root / "home"
-    with pytest.MonkeyPatch.context() as mp:  # the replicas' store: $FLEXDRAFT_HOME/mlflow.db
-        mp.setenv("FLEXDRAFT_HOME", str(home))
-        mp.delenv("MLFLOW_TRACKING_URI", raising=False)
+    server, tracking = start_mlflow_server(f"sqlite:///{root / 'mlflow.db'}", root)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FLEXDRAFT_HOME", str(root / "registering"))  # (the replicas' download cache is their own)
+        mp.setenv("MLFLOW_TRACKING_URI", tracking)
         source = recorded_pipeline(tiny, root, "tiny", tiny_pipeline[0].distill_dir(), seed=3)
         digest = weights_digest(source.drafter_dir("calibration"))
         version = register_drafter(source)
     assert version == "models:/flexdraft-drafter-tiny/1"
     cfg = yaml.safe_load((REPO / "serve" / "config.yaml").read_text())
     cfg["applications"] = [
-        application("tiny", "/", home, tiny, autoscaling_config={"min_replicas": 1, "max_replicas": 1},
+        application("tiny", "/", home, tiny, tracking, autoscaling_config={"min_replicas": 1, "max_replicas": 1},
                     user_config={"max_body_bytes": BODY_LIMIT, "drafter": "models:/flexdraft-drafter-tiny@champion"}),
-        application("elastic", "/elastic", home, tiny, max_ongoing_requests=2, max_queued_requests=2,
+        application("elastic", "/elastic", home, tiny, tracking, max_ongoing_requests=2, max_queued_requests=2,
                     autoscaling_config={"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1,
                                         "upscale_delay_s": 1, "downscale_delay_s": 2,
                                         "look_back_period_s": 11},  # (Ray: > the 10-s default metrics interval)
                     health_check_period_s=1, health_check_timeout_s=5),
-        application("real", "/real", home, real_folder, autoscaling_config={"min_replicas": 1, "max_replicas": 1}),
+        application("real", "/real", home, real_folder, tracking, autoscaling_config={"min_replicas": 1, "max_replicas": 1}),
     ]
     cfg["applications"][1]["deployments"][0]["user_config"]["engine"].update(max_batch=2, max_len=512)
     cfg["applications"][1]["runtime_env"]["env_vars"]["FLEXDRAFT_FAULT_INJECTION"] = "1"  # its loop is killed
@@ -108,10 +112,12 @@ def apps(ray_head, real_folder, tiny_smollm2, tiny_pipeline, tmp_path_factory):
         time.sleep(2)
     runtime = RuntimeConfig(device="cpu", dtype="float32", threads=1)
     lm = load_model(tiny, runtime)
-    lm.home = home
+    lm.home, lm.tracking = home, tracking
     yield {"tiny": lm, "config": root / "serve.yaml", "root": root, "model": tiny, "digest": digest,
            "data": tiny_pipeline[0].distill_dir()}
     subprocess.run([SERVE, "shutdown", "-y", "--address", ray_head], env=ENV, capture_output=True, timeout=120)
+    server.terminate()
+    server.wait(30)
 
 
 @pytest.fixture
@@ -347,10 +353,10 @@ def test_sixteen_concurrent_requests_succeed_in_shared_batches(app):
     for prompt, (_, body) in zip(prompts, results):
         assert body["choices"][0]["token_ids"] == greedy(app, app.tokenizer(prompt)["input_ids"], 16)
     assert health()["most_rows"] > 1
-    # the replica's serving run in MLflow (its FLEXDRAFT_HOME's store): a point a second, the tokens among them
+    # the replica's serving run in MLflow (the apps' server): a point a second, the tokens among them
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(f"sqlite:///{app.home / 'mlflow.db'}")
+    client = MlflowClient(app.tracking)
     time.sleep(2)
     run, = client.search_runs([client.get_experiment_by_name("flexdraft-serve").experiment_id], "tags.app = 'tiny'")
     assert run.data.params["engine.mode"] == "adaptive" and run.data.tags["deployment"] == "FlexDraftServer"
@@ -576,8 +582,7 @@ def test_loadtest_reports_every_level_against_the_app_a_baseline_and_a_compared_
     from flexdraft.drafter.registry import lookup
     from flexdraft.evaluation.loadtest import run_loadtest
 
-    monkeypatch.setenv("FLEXDRAFT_HOME", str(app.home))  # the apps' store, where their drafter is registered
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", app.tracking)  # the apps' server, where their drafter is registered
     monkeypatch.chdir(tmp_path)
 
     results = run_loadtest(URL, "gsm8k", [1, 2], 6, stream=True, api_key=KEY, max_tokens=8,
@@ -589,7 +594,7 @@ def test_loadtest_reports_every_level_against_the_app_a_baseline_and_a_compared_
         for x in (r, r["compare"]["real"]):
             assert x["speedup"] == pytest.approx(x["tokens_per_s"] / r["baseline"]["tokens_per_s"])
     assert json.loads((tmp_path / "lt.json").read_text())["results"].keys() == {"1", "2"}
-    mlflow.set_tracking_uri(f"sqlite:///{app.home / 'mlflow.db'}")
+    mlflow.set_tracking_uri(app.tracking)
     run, = mlflow.search_runs(experiment_names=["flexdraft-loadtest"], output_format="list")
     for key in ("tokens_per_s", "baseline/tokens_per_s", "speedup", "real/tokens_per_s", "real/speedup"):
         assert [m.step for m in mlflow.MlflowClient().get_metric_history(run.info.run_id, key)] == [1, 2]
@@ -755,7 +760,7 @@ def test_a_replica_whose_engine_loop_died_is_replaced_and_serves_again(apps):
     assert ok.status_code == 200
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(f"sqlite:///{apps['tiny'].home / 'mlflow.db'}")
+    client = MlflowClient(apps["tiny"].tracking)
     run, = client.search_runs([client.get_experiment_by_name("flexdraft-serve").experiment_id],
                               f"tags.replica = '{before}'")
     assert run.info.status == "FAILED"
@@ -793,8 +798,8 @@ def test_a_promoted_version_redeployed_is_what_the_replica_loaded(apps):
     lm = apps["tiny"]
     assert card()["drafter_digest"] == apps["digest"] and card()["drafter_version"].endswith("/1")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("FLEXDRAFT_HOME", str(lm.home))
-        mp.delenv("MLFLOW_TRACKING_URI", raising=False)
+        mp.setenv("FLEXDRAFT_HOME", str(apps["root"] / "registering"))
+        mp.setenv("MLFLOW_TRACKING_URI", lm.tracking)
         source = recorded_pipeline(apps["model"], apps["root"], "tiny2", apps["data"], seed=4)
         second = weights_digest(source.drafter_dir("calibration"))
         assert register_drafter(source) == "models:/flexdraft-drafter-tiny/2" and second != apps["digest"]
