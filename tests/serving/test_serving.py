@@ -173,6 +173,92 @@ def test_a_failed_step_is_charged_to_the_request_that_causes_it_and_the_others_s
     assert failures and ae.failed_steps == len(failures)
 
 
+def fail_inside_a_step(e: Engine, monkeypatch, where: str, after_steps: int = 3) -> list:
+    """Make one step of `e` raise part-way (once, after `after_steps` steps): "forward" right after the verify
+    forward wrote its keys and values into the cache (nothing drawn or committed yet), "commit" after some rows
+    of the step committed their tokens and others not."""
+    import flexdraft.engine.state as state
+
+    failures: list = []
+
+    def due() -> bool:
+        if failures or e.totals.num_steps < after_steps:
+            return False
+        failures.append(where)
+        return True
+
+    if where == "forward":
+        real = e.target_logits
+
+        def target_logits(tokens, pos, cache):
+            logits = real(tokens, pos, cache)
+            if due():
+                raise RuntimeError("failed after the verify forward")
+            return logits
+
+        monkeypatch.setattr(e, "target_logits", target_logits)
+    else:
+        real_emit = state.Request.emit
+
+        def emit(req, tokens, logprobs=None):
+            if e.slots.index(req) == 2 and e.stats.rows > 2 and due():
+                raise RuntimeError("failed while committing")
+            return real_emit(req, tokens, logprobs)
+
+        monkeypatch.setattr(state.Request, "emit", emit)
+    return failures
+
+
+@pytest.mark.parametrize("where", ["forward", "commit"])
+def test_a_failure_inside_a_step_leaves_every_output_exact(parts, monkeypatch, where):
+    """A step fails once part-way: after its verify forward wrote the cache, or after two of its rows committed
+    their tokens and before the rest did. The engine recovers the step's requests (rows that committed keep what
+    they committed, the cache writes are dropped) and every greedy output equals the uninterrupted one."""
+    prompts = ragged_prompts(8, seed=13)
+    params = SamplingParams(max_new_tokens=24)
+    ref = [g.token_ids for g in engine(parts, mode="sequential").generate(prompts, params)]
+    e = engine(parts, mode="sequential")
+    failures = fail_inside_a_step(e, monkeypatch, where)
+    ae = AsyncEngine(e)
+
+    async def main():
+        return await asyncio.gather(*(collect(ae, p, params) for p in prompts))
+
+    try:
+        results = asyncio.run(main())
+        assert wait_for(lambda: ae.load()["running"] == ae.load()["waiting"] == ae.load()["streams"] == 0)
+    finally:
+        ae.shutdown()
+    assert failures == [where] and ae.failed_steps == 1 and ae.charged == 0
+    assert [r[0] for r in results] == ref
+
+
+def test_a_sampled_request_keeps_its_random_stream_across_a_recovery(parts, monkeypatch):
+    """Seeded sampled requests (AR steps: one draw per token, at a prefill as at a step) through a step that fails
+    after its forward, before any draw: each request's tokens are the uninterrupted run's, token for token: it
+    re-joins with its own generator where that generator stood, not a fresh one."""
+    prompts = ragged_prompts(6, seed=17)
+    params = [SamplingParams(max_new_tokens=20, temperature=1.0, seed=100 + i) for i in range(len(prompts))]
+
+    def run(fail: bool):
+        e = engine(parts, mode="ar")
+        failures = fail_inside_a_step(e, monkeypatch, "forward", after_steps=4) if fail else []
+        ae = AsyncEngine(e)
+
+        async def main():
+            return await asyncio.gather(*(collect(ae, p, sp) for p, sp in zip(prompts, params)))
+
+        try:
+            return [r[0] for r in asyncio.run(main())], failures
+        finally:
+            ae.shutdown()
+
+    ref, _ = run(False)
+    out, failures = run(True)
+    assert failures == ["forward"] and out == ref
+    assert len({tuple(r) for r in ref}) == len(ref)  # (the seeds differ)
+
+
 def test_callers_that_vanish_at_any_moment_leave_nothing_behind(parts):
     """Callers cancelled while their admission is pending (the engine thread busy: before this, the cancelled
     ticket's set_result raised InvalidStateError and ended the engine thread), right after it, and mid-stream:
