@@ -11,6 +11,9 @@ from flexdraft.engine.ar import generate
 from flexdraft.engine.config import EngineConfig
 from flexdraft.engine.engine import Engine
 from flexdraft.speculative.branches import CostModel
+from flexdraft.speculative.drafts import Chains, DraftKind, Mode, Plan
+from flexdraft.speculative.planner import Planner
+from flexdraft.speculative.policy_file import Band
 from flexdraft.speculative.sampling import SamplingParams
 
 
@@ -185,3 +188,54 @@ def test_a_request_whose_drafts_fail_is_planned_ar_while_the_others_speculate(ti
     bad = results[3].stats
     assert bad.mode_share.get("ar", 0) > 0.7 and len(bad.accepted_lengths) <= 6 + bad.forwards // 8
     assert all(g.stats.mode_share == {"sequential": 1.0} for g in results[:3])
+
+
+def priced_planner(true, trees: bool = True) -> Planner:
+    """A planner for blocks of 4 (trees of 8 nodes, parallel at <= 4 rows) whose cost model's profile is
+    true(kind, rows, tokens per row); acceptance as its prior says (no drafter tau: r = 0.5 per draft)."""
+    planner = Planner(4, 4, 8, trees, cost_model=True)
+    planner.costs = profiled(true)
+    return planner
+
+
+def learn(planner: Planner, true, dearer: list[tuple], normal: list[tuple], times: int = 20) -> None:
+    """Forwards measured `times` each: the `dearer` shapes at 4x their profiled cost, the `normal` ones as profiled
+    (so the cost model learns those shapes' prices, not a busier machine)."""
+    for _ in range(times):
+        for shape in dearer:
+            planner.costs.record(*shape, 4 * true(*shape))
+        for shape in normal:
+            planner.costs.record(*shape, true(*shape))
+
+
+def test_the_planner_picks_trees_parallel_and_lookup_steps_by_their_learned_costs():
+    """Straight from `Planner.best` / `Planner.lookup`, with the cost model learning injected forward times
+    (not the profile): a token tree whose verify costs about a chain's is chosen over the chain (it is expected to
+    accept more); once its verifies are measured 4x dearer the chain is. Parallel steps are chosen at <= S rows
+    while their forwards cost about a verify; measured 4x dearer, sequential steps are. A lookup step is taken over AR while its verify is cheap and refused once measured 4x dearer."""
+    # a forward costs per row, a little more per token; a drafter pass half a target forward
+    true = lambda kind, n, t: (0.005 if kind == "draft" else 0.01) * n * (1 + 0.005 * t)  # noqa: E731
+    band = Band(None, "adaptive", 4, tree_nodes=8)
+    planner = priced_planner(true)
+    planner.switch_batch = 0  # (no parallel plans: trees against chains alone)
+    assert planner.best(2, 0, Mode.SEQUENTIAL, band)[0].mode == Mode.TREE
+    learn(planner, true, [("target", 2, 9)], [("target", 2, 5), ("target", 2, 1), ("draft", 2, 5)])
+    assert planner.best(2, 0, Mode.SEQUENTIAL, band)[0] == Plan(Mode.SEQUENTIAL, 4)
+
+    planner = priced_planner(true, trees=False)
+    plan = planner.best(2, 0, Mode.PARALLEL, band)[0]
+    assert plan.mode == Mode.PARALLEL, plan
+    shape = (plan.block + 1) * (1 + plan.branches)
+    learn(planner, true, [("parallel", 2, (b + 1) * (1 + m)) for m in (1, 2, 3, 5) for b in (1, 2, 4)],
+          [("target", 2, b + 1) for b in (1, 2, 4)] + [("draft", 2, b + 1) for b in (1, 2, 4)], times=8)
+    assert planner.costs.seconds("parallel", 2, shape) > 3 * true("parallel", 2, shape)
+    assert planner.best(2, 0, Mode.PARALLEL, band)[0].mode == Mode.SEQUENTIAL
+
+    planner = priced_planner(true, trees=False)
+    kind = DraftKind("lookup", 3)
+    options = [Chains(((list(range(10, 14)),), (list(range(20, 24)),)), (kind, kind))]  # a 4-token chain per row
+    ar_rate = 2 / true("target", 2, 1)
+    chosen = planner.lookup(options, None, ar_rate, 4)
+    assert chosen is not None and chosen[0].mode == Mode.LOOKUP
+    learn(planner, true, [("target", 2, b + 1) for b in (1, 2, 4)], [("target", 2, 1), ("draft", 2, 5)])
+    assert planner.lookup(options, None, ar_rate, 4) is None
