@@ -310,13 +310,16 @@ class FlexDraftServer:
         event. A client that leaves cancels every choice (their rows are freed)."""
         queue: asyncio.Queue = asyncio.Queue()
 
-        async def pump(index: int, reader: Reader):
+        async def pump(index: int, reader: Reader):  # one choice's chunks into the queue, then None or its error
             try:
                 async for body in reader.chunks(req, self.texts, index, timeout_s):
                     await queue.put(body)
                 await queue.put(None)
             except (FlexDraftError, EngineFailed, TimeoutError) as e:
-                await queue.put(e)
+                await queue.put(_engine_error(e, self.cfg))
+            except Exception as e:  # noqa: BLE001 - a bug: the stream still ends, with a 500 event
+                log.error(f"stream of choice {index} failed: {type(e).__name__}", exc_info=e)
+                await queue.put(APIError(500, f"internal error ({type(e).__name__})", kind="server_error"))
 
         tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(readers)]
         try:
@@ -325,8 +328,8 @@ class FlexDraftServer:
                 item = await queue.get()
                 if item is None:
                     left -= 1
-                elif isinstance(item, Exception):
-                    yield sse(_engine_error(item, self.cfg).body())
+                elif isinstance(item, APIError):
+                    yield sse(item.body())
                     yield "data: [DONE]\n\n"
                     return
                 else:
