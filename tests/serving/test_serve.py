@@ -302,11 +302,12 @@ def test_response_format_answers_parse_and_validate_while_speculating(app):
 
 
 def test_langchain_and_litellm_get_what_the_openai_client_gets(app, monkeypatch):
-    """LangChain's ChatOpenAI (invoke, stream, logprobs, penalties) and LiteLLM's completion (logprobs, penalties,
-    a developer message, store) against the replica: each answered with the local AR decoding's tokens; tools
-    refused by each with a 400 naming the field."""
+    """LangChain's ChatOpenAI (invoke, stream, logprobs, penalties, n, a developer message and store, JSON mode)
+    and LiteLLM's completion (the same calls) against the replica: each answered with the local AR decoding's
+    tokens (JSON mode: a JSON object); tools refused by each with a 400 naming the field."""
     monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # (no model cost map from the internet)
     import litellm
+    from langchain_core.messages import convert_to_messages
     from langchain_openai import ChatOpenAI
 
     tok = app.tokenizer
@@ -321,11 +322,18 @@ def test_langchain_and_litellm_get_what_the_openai_client_gets(app, monkeypatch)
     assert out.content == tok.decode(penalised.token_ids, skip_special_tokens=True)
     assert [e["logprob"] for e in out.response_metadata["logprobs"]["content"]] == \
         pytest.approx([lp.logprob for lp in penalised.logprobs], abs=1e-4)
+    developer = [{**messages[0], "role": "developer"}, messages[1]]
+    two = ChatOpenAI(base_url=f"{URL}/v1", api_key=KEY, model="tiny", temperature=0, max_tokens=10, n=2,
+                     store=False).generate([convert_to_messages(developer)])
+    assert [g.text for g in two.generations[0]] == [plain, plain]
+    json_mode = chat.bind(response_format={"type": "json_object"}, max_tokens=40).invoke(messages)
+    assert isinstance(json.loads(json_mode.content), dict)
 
     call = dict(model="openai/tiny", api_base=f"{URL}/v1", api_key=KEY, temperature=0, max_tokens=10)
-    developer = [{**messages[0], "role": "developer"}, messages[1]]
-    out = litellm.completion(messages=developer, store=False, **call)
-    assert out.choices[0].message.content == plain
+    out = litellm.completion(messages=developer, store=False, n=2, **call)
+    assert [c.message.content for c in out.choices] == [plain, plain]
+    out = litellm.completion(messages=messages, response_format={"type": "json_object"}, **{**call, "max_tokens": 40})
+    assert isinstance(json.loads(out.choices[0].message.content), dict)
     out = litellm.completion(messages=messages, logprobs=True, top_logprobs=2, presence_penalty=1.5, **call)
     assert out.choices[0].message.content == tok.decode(penalised.token_ids, skip_special_tokens=True)
     assert len(out.choices[0].logprobs["content"]) == len(penalised.token_ids)
