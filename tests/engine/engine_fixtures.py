@@ -65,6 +65,18 @@ def drafters(tiny):
             {"untrained": untrained, "random": random, "random-entry1-causal": entry1, "trained": trained}.items()}
 
 
+def tiny_vocabulary(folder):
+    """A 12-token llama (enumerable distributions) and a random drafter of blocks of 2 whose q is far from p."""
+    make_tiny_hf("llama", folder, vocab_size=12, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = load_model(folder, CPU32, with_tokenizer=False).model
+    torch.manual_seed(0)
+    drafter = Drafter.from_target(model, DrafterConfig(k=2, block_size=2))
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    return model, drafter.to_runtime(model)
+
+
 class ReferenceProposer(DrafterProposer):
     """The engine's drafter proposer whose drafts, each time it writes them, are replaced (`replace`) by ones made
     from the reference continuation of the row's request: drafts the test controls, through the proposer's

@@ -8,7 +8,15 @@ import pytest
 import torch
 
 from conftest import make_tiny_hf, ragged_prompts
-from engine_fixtures import CPU32, OracleProposer, ReferenceProposer, drafters, tiny, tiny_folder  # noqa: F401 (fixtures)
+from engine_fixtures import (  # noqa: F401 (fixtures)
+    CPU32,
+    OracleProposer,
+    ReferenceProposer,
+    drafters,
+    tiny,
+    tiny_folder,
+    tiny_vocabulary,
+)
 from flexdraft.core.config import RuntimeConfig
 from flexdraft.core.errors import FlexDraftError
 from flexdraft.drafter.model import Drafter, DrafterConfig, load_drafter, parallel_forward, read_drafter_meta
@@ -270,14 +278,7 @@ def test_speculative_sampling_follows_the_target_distribution(tmp_path, top_p):
     each speculated position), in runs that verified drafts
     and both accepted and rejected some; in every mode the same counts fail against the distribution at
     temperature 1.3 (the test has power)."""
-    make_tiny_hf("llama", tmp_path, vocab_size=12, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    model = load_model(tmp_path, CPU32, with_tokenizer=False).model
-    torch.manual_seed(0)
-    drafter = Drafter.from_target(model, DrafterConfig(k=2, block_size=2))
-    with torch.no_grad():
-        for p in drafter.parameters():
-            p.add_(torch.randn_like(p) * 0.5)
-    drafter.to_runtime(model)
+    model, drafter = tiny_vocabulary(tmp_path)
     prompt = [3, 7, 5, 9]
     exact = exact_distribution(model, prompt, SamplingParams(temperature=1.0, top_p=top_p), 3)
     hotter = exact_distribution(model, prompt, SamplingParams(temperature=1.3, top_p=top_p), 3)

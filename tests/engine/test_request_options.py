@@ -2,12 +2,14 @@
 independent reference (`transformers`' logits of the same weights in fp32, the penalties written out here as
 OpenAI and vLLM define them), in every mode with drafts accepted while the option is on; and the n choices of one
 prompt sharing its prefill."""
+import dataclasses
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import make_tiny_hf, ragged_prompts
-from engine_fixtures import CPU32, OracleProposer, drafters, tiny, tiny_folder  # noqa: F401 (fixtures)
+from conftest import ragged_prompts
+from engine_fixtures import CPU32, OracleProposer, drafters, tiny, tiny_folder, tiny_vocabulary  # noqa: F401 (fixtures)
 from flexdraft.core.errors import FlexDraftError
 from flexdraft.drafter.model import Drafter, DrafterConfig
 from flexdraft.engine.ar import generate
@@ -163,21 +165,25 @@ def exact_processed(hf, prompt: list[int], p: SamplingParams, stop: set[int], n_
     return probs | done
 
 
+def tally(engine: Engine, prompt: list[int], params: list[SamplingParams]) -> dict[tuple, int]:
+    """How often each output comes out of the requests, from an engine that verified drafts and both accepted and
+    rejected some."""
+    counts: dict[tuple, int] = {}
+    for g in run(engine, [prompt] * len(params), params):
+        counts[tuple(g.token_ids)] = counts.get(tuple(g.token_ids), 0) + 1
+    t = engine.totals
+    assert t.num_drafts > 0 and 0 < t.num_accepted_tokens < t.num_draft_tokens, (engine.config.mode, t)
+    return counts
+
+
 def test_sampling_with_penalties_follows_the_processed_distribution(tmp_path, monkeypatch):
     """Tiny vocabulary (12 tokens), temperature 1, presence + frequency + repetition penalties, a logit bias and
     min_tokens 2 (EOS held back for two tokens): the first 3 tokens of 6000 sampled generations in sequential,
     parallel, tree and lookup mode, with a random drafter whose q is far from p, match the enumerated distribution
     of the reference by chi-square at significance 0.001, in runs that accepted and rejected drafts. The same test
     fails when a position's penalty ignores the drafts before it in its step (the test has power)."""
-    make_tiny_hf("llama", tmp_path, vocab_size=12, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    model = load_model(tmp_path, CPU32, with_tokenizer=False).model
+    model, drafter = tiny_vocabulary(tmp_path)
     reference = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
-    torch.manual_seed(0)
-    drafter = Drafter.from_target(model, DrafterConfig(k=2, block_size=2))
-    with torch.no_grad():
-        for w in drafter.parameters():
-            w.add_(torch.randn_like(w) * 0.5)
-    drafter.to_runtime(model)
     prompt = [3, 7, 5, 9]
     params = SamplingParams(max_new_tokens=3, temperature=1.0, presence_penalty=0.8, frequency_penalty=0.6,
                             repetition_penalty=1.3, logit_bias=((5, 1.0),), min_tokens=2)
@@ -186,21 +192,14 @@ def test_sampling_with_penalties_follows_the_processed_distribution(tmp_path, mo
 
     def counts(mode):
         engine = Engine(model, drafter, EngineConfig(mode=mode, max_batch=64, max_len=24), eos_token_ids=[2])
-        seeded = [SamplingParams(**{**params.__dict__, "seed": i}) for i in range(N)]
-        out = run(engine, [prompt] * N, seeded)
-        t = engine.totals
-        assert t.num_drafts > 0 and 0 < t.num_accepted_tokens < t.num_draft_tokens, (mode, t)
-        tally = {}
-        for g in out:
-            tally[tuple(g.token_ids)] = tally.get(tuple(g.token_ids), 0) + 1
-        return tally
+        return tally(engine, prompt, [dataclasses.replace(params, seed=i) for i in range(N)])
 
     for mode in ("sequential", "parallel", "tree", "lookup"):
-        tally = counts(mode)
-        stat, q = chi_square_ok(tally, exact, N)
+        seen = counts(mode)
+        stat, q = chi_square_ok(seen, exact, N)
         assert stat < q, (mode, stat, q)
         for j in (1, 2):
-            stat, q = chi_square_ok(marginal(tally, j), marginal(exact, j), N)
+            stat, q = chi_square_ok(marginal(seen, j), marginal(exact, j), N)
             assert stat < q, (mode, f"position {j}", stat, q)
     import flexdraft.speculative.penalties as penalties
 
@@ -324,16 +323,9 @@ def test_sampling_under_a_grammar_follows_the_masked_distribution(tmp_path, monk
 
     from flexdraft.speculative.grammar import Grammar, Grammars
 
-    make_tiny_hf("llama", tmp_path, vocab_size=12, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    model = load_model(tmp_path, CPU32, with_tokenizer=False).model
+    model, drafter = tiny_vocabulary(tmp_path)
     reference = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     tok = byte_level_tokenizer(["<pad>", "<s>", "</s>", *"abcdefghi"])
-    torch.manual_seed(0)
-    drafter = Drafter.from_target(model, DrafterConfig(k=2, block_size=2))
-    with torch.no_grad():
-        for w in drafter.parameters():
-            w.add_(torch.randn_like(w) * 0.5)
-    drafter.to_runtime(model)
     grammar = Grammar("regex", "(a|b)(c|d)(e|f)")  # (which tokens may come depends on the tokens before)
     ll = llguidance.hf.from_tokenizer(tok, n_vocab=12)
 
@@ -358,19 +350,13 @@ def test_sampling_under_a_grammar_follows_the_masked_distribution(tmp_path, monk
     def counts(mode):
         engine = Engine(model, drafter, EngineConfig(mode=mode, max_batch=64, max_len=24), eos_token_ids=[2],
                         grammars=Grammars(tok, 12))
-        out = run(engine, [prompt] * N,
-                  [SamplingParams(max_new_tokens=3, temperature=1.0, seed=i, grammar=grammar) for i in range(N)])
-        t = engine.totals
-        assert t.num_drafts > 0 and 0 < t.num_accepted_tokens < t.num_draft_tokens, (mode, t)
-        tally = {}
-        for g in out:
-            tally[tuple(g.token_ids)] = tally.get(tuple(g.token_ids), 0) + 1
-        return tally
+        return tally(engine, prompt, [SamplingParams(max_new_tokens=3, temperature=1.0, seed=i, grammar=grammar)
+                                      for i in range(N)])
 
     for mode in ("sequential", "parallel", "tree", "lookup"):
-        tally = counts(mode)
-        assert set(tally) <= set(exact), mode  # nothing outside the grammar
-        stat, q = chi_square_ok(tally, exact, N)
+        seen = counts(mode)
+        assert set(seen) <= set(exact), mode  # nothing outside the grammar
+        stat, q = chi_square_ok(seen, exact, N)
         assert stat < q, (mode, stat, q)
     import flexdraft.speculative.grammar as grammar_module
 
