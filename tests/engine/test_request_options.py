@@ -139,7 +139,7 @@ def test_penalties_count_the_drafts_accepted_earlier_in_the_same_step(tiny, draf
     assert all(max(g.stats.accepted_lengths) == 4 for g in out)  # whole blocks accepted
     import flexdraft.speculative.penalties as penalties
 
-    monkeypatch.setattr(penalties, "path_counts", lambda drafts, rows, V: torch.zeros(len(rows), 1, V))
+    monkeypatch.setattr(penalties, "path_counts", lambda drafts, rows, tokens: torch.zeros(len(rows), 1, tokens.shape[1]))
     assert [g.token_ids for g in decode()] != refs
 
 
@@ -203,7 +203,7 @@ def test_sampling_with_penalties_follows_the_processed_distribution(tmp_path, mo
             assert stat < q, (mode, f"position {j}", stat, q)
     import flexdraft.speculative.penalties as penalties
 
-    monkeypatch.setattr(penalties, "path_counts", lambda drafts, rows, V: torch.zeros(len(rows), 1, V))
+    monkeypatch.setattr(penalties, "path_counts", lambda drafts, rows, tokens: torch.zeros(len(rows), 1, tokens.shape[1]))
     stat, q = chi_square_ok(counts("sequential"), exact, N)
     assert stat > q, "no power"
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import llguidance
 import llguidance.hf
+import numpy as np
 import torch
 
 from flexdraft.core.errors import FlexDraftError
@@ -81,29 +82,20 @@ class Matcher:
 
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, eos: int | None):
         self.m, self.V, self.eos = matcher, vocab_size, eos
-        self.bits = torch.arange(32, dtype=torch.int32)
 
-    def _mask(self) -> torch.Tensor:
-        """[V] bool: the tokens the grammar allows next (an error state allows only EOS: the request ends)."""
-        words = torch.frombuffer(bytearray(self.m.compute_bitmask()), dtype=torch.int32)
-        allowed = ((words[:, None] >> self.bits) & 1).bool().flatten()
-        out = torch.zeros(self.V, dtype=torch.bool)
-        k = min(self.V, allowed.numel())
-        out[:k] = allowed[:k]
-        if not out.any() and self.eos is not None:
-            out[self.eos] = True
-        return out
-
-    def masks(self, paths: list[list[int]]) -> torch.Tensor:
-        """[T, V] bool: the tokens allowed at each verify position, whose path (the drafts before it) is paths[t].
-        A position behind a draft the grammar forbids is never reached (that draft is rejected first): it is left
-        unmasked."""
-        out = torch.ones(len(paths), self.V, dtype=torch.bool)
+    def words(self, paths: list[list[int]]) -> torch.Tensor:
+        """[T, W] int32: the bitmask (bit j of word w: token 32 w + j) of the tokens allowed at each verify position,
+        whose path (the drafts before it) is paths[t]. A position behind a draft the grammar forbids is never reached
+        (that draft is rejected first): it allows every token."""
+        width = (self.V + 31) // 32
+        out = torch.full((len(paths), width), -1, dtype=torch.int32)
         for t, path in enumerate(paths):
             walked = self.m.try_consume_tokens(path) if path else 0
             try:
                 if walked == len(path):
-                    out[t] = self._mask()
+                    words = torch.frombuffer(bytearray(self.m.compute_bitmask()), dtype=torch.int32)
+                    out[t] = 0
+                    out[t, : min(width, words.numel())] = words[:width]
             finally:
                 if walked:
                     self.m.rollback(walked)
@@ -127,9 +119,17 @@ def draft_paths(drafts: Drafts | None, row: int) -> list[list[int]]:
 
 
 def constrained(logits: torch.Tensor, rows: list[int], matchers: list[Matcher], drafts: Drafts | None) -> torch.Tensor:
-    """logits [n, T, V] -> a copy with the tokens each of `rows`' grammar forbids at each position at -inf."""
+    """logits [n, T, V] -> a copy with the tokens each of `rows`' grammar forbids at each position at -inf (a
+    position where it allows nothing, an error state, allows only EOS: the request ends)."""
+    n, T, V = logits.shape
+    words = torch.stack([m.words(draft_paths(drafts, r)) for r, m in zip(rows, matchers)])  # [s, T, W]
+    octets = words.numpy().astype("<i4", copy=False).view(np.uint8)  # (token 32 w + j: bit j of word w)
+    allowed = torch.from_numpy(np.unpackbits(octets, axis=-1, bitorder="little")).view(len(rows), T, -1)
+    allowed = allowed[..., :V].bool()  # [s, T, V]
+    for i, m in enumerate(matchers):
+        if m.eos is not None:
+            allowed[i, ~allowed[i].any(-1), m.eos] = True
+    at = torch.tensor(rows, dtype=torch.long, device=logits.device)
     out = logits.clone()
-    for row, matcher in zip(rows, matchers):
-        allowed = matcher.masks(draft_paths(drafts, row)).to(logits.device)  # [T, V]
-        out[row] = out[row].masked_fill(~allowed, float("-inf"))
+    out[at] = torch.where(allowed.to(logits.device), out[at], float("-inf"))
     return out
