@@ -29,17 +29,17 @@ from collections.abc import Sequence
 
 import torch
 
-from flexdraft.core.errors import ContextTooLong, FlexDraftError
+from flexdraft.core.errors import ContextTooLong, FieldError, FlexDraftError
 from flexdraft.drafter.model import Drafter, parallel_forward
 from flexdraft.engine import profiling
 from flexdraft.engine.ar import prefill
 from flexdraft.engine.config import EngineConfig, resolve
-from flexdraft.engine.options import emitted_logprobs, processed, shared_prefills
+from flexdraft.engine.options import committed_logprobs, emitted_logprobs, processed, shared_prefills
 from flexdraft.engine.proposers import DrafterProposer, LookupProposer, ModelFreeProposer, critical_rows
-from flexdraft.engine.state import Request, RowState, draft_caps, speculating_share
+from flexdraft.engine.state import Request, RowState, count_acceptance, draft_caps, speculating_share
 from flexdraft.engine.stats import IDLE, PREFILL, Recovery, SpecDecodingStats, StepOutput, StepStats
 from flexdraft.models.transformer import Transformer
-from flexdraft.speculative.branches import AcceptanceModel, branch_anchors
+from flexdraft.speculative.branches import branch_anchors
 from flexdraft.speculative.drafts import Chains, Drafts, Mode, Plan, Verdict
 from flexdraft.speculative.grammar import Grammars
 from flexdraft.speculative.lookup import NgramIndex, NgramStore
@@ -135,7 +135,7 @@ class Engine:
             raise FlexDraftError(f"prompt has token id {bad[0]} outside the vocabulary of {V}")
         bad = [t for t, _ in params.logit_bias if t >= V]
         if bad:
-            raise FlexDraftError(f"logit_bias has token id {bad[0]} outside the vocabulary of {V}")
+            raise FieldError("logit_bias", f"logit_bias has token id {bad[0]} outside the vocabulary of {V}")
         if params.grammar is not None and self.grammars is None:
             raise FlexDraftError("this engine has no tokenizer to compile grammars with (Engine(grammars=...))")
         need = self.slots_needed(len(prompt), params.max_new_tokens)
@@ -430,15 +430,13 @@ class Engine:
         path, src = drafts.tokens, None  # src [n, Bv]: the verify index of each path node (a chain: 1..N)
         if not drafts.chain:
             path, src = self._move_path(lens, drafts, verdict)
-        emitted = torch.cat((path, verdict.bonus[:, None]), dim=1).scatter(1, accepted[:, None], verdict.bonus[:, None])
-        positions = None if src is None else torch.cat((src.new_zeros(n, 1), src.clamp(max=drafts.nodes)), dim=1)
-        logprobs = emitted_logprobs(logits, self.slots[:n], emitted, positions)  # [n, Bv + 1]: drafts, bonus at acc
+        logprobs = committed_logprobs(logits, self.slots[:n], path, src, verdict, drafts.nodes)
         self.cache.lens[:n] = lens + accepted + 1
         self.state.bonus[:n] = verdict.bonus
         self.state.ndrafts[:n] = 0
         acc = accepted.tolist()
         kinds = [k if c else None for k, c in zip(drafts.kinds, caps.tolist())]  # (a row capped at 0: AR)
-        self._count_acceptance(acc, kinds, caps.tolist(), block)
+        self.stats.accepted = count_acceptance(self.slots[:n], self.acceptance, acc, kinds, caps.tolist(), block)
         path, bonus, out = path.tolist(), verdict.bonus.tolist(), []
         for r in range(n):
             req = self.slots[r]
@@ -464,17 +462,6 @@ class Engine:
             kv[rows, :, lens[:, None] + dst] = kv[rows, :, lens[:, None] + src]
         tokens = torch.cat((self.state.bonus[:n, None], drafts.tokens), dim=1)
         return tokens.gather(1, src.clamp(max=drafts.nodes)), src
-
-    def _count_acceptance(self, acc: list[int], kinds: list, caps: list[int], block: int) -> None:
-        """The step's accepted drafts per verified row (stats), each request's own acceptance against the model's
-        (drafter kinds), and the acceptance model's counts (uncapped rows)."""
-        self.stats.accepted = [a for a, k in zip(acc, kinds) if k is not None]
-        for r, kind in enumerate(kinds):
-            if kind in AcceptanceModel.KINDS:
-                self.slots[r].acceptance.observe(acc[r], self.acceptance.expected_accepted(kind, min(block, caps[r])))
-        full = [k if c >= block else None for k, c in zip(kinds, caps)]
-        for kind in set(full) - {None}:
-            self.acceptance.record(kind, block, [a for a, k in zip(acc, full) if k == kind])
 
     def target_logits(self, tokens, pos, cache) -> torch.Tensor:
         """[n, T] tokens -> [n, T, V] logits (the LM head is timed with the forward: at batch 1 it is ~15%)."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from flexdraft.engine.state import Request
-from flexdraft.speculative.drafts import Drafts
+from flexdraft.speculative.drafts import Drafts, Verdict
 from flexdraft.speculative.grammar import constrained
 from flexdraft.speculative.penalties import History, penalised
 from flexdraft.speculative.sampling import TokenLogprob, token_logprobs
@@ -39,6 +39,20 @@ def emitted_logprobs(logits: torch.Tensor, requests: list[Request], tokens: torc
     at = torch.tensor(rows, dtype=torch.long, device=logits.device)
     x = logits[at] if positions is None else logits[at[:, None], positions[at]]  # [s, P, V]
     return dict(zip(rows, token_logprobs(x, tokens[at], [requests[i].params.logprobs for i in rows])))
+
+
+def committed_logprobs(logits: torch.Tensor, requests: list[Request], path: torch.Tensor, src: torch.Tensor | None,
+                       verdict: Verdict, nodes: int) -> dict[int, list[TokenLogprob]]:
+    """After a verify: {row: the TokenLogprob of its accepted drafts and bonus, then of drafts past them} for the rows
+    whose request asks for logprobs. path [n, Bv]: the drafts along each row's accepted path; src [n, Bv] their
+    verify indices (None: a chain, 1..Bv); logits [n, nodes + 1, V] raw."""
+    if all(r.params.logprobs is None for r in requests):
+        return {}
+    n = path.shape[0]
+    bonus, accepted = verdict.bonus[:, None], verdict.accepted[:, None]
+    tokens = torch.cat((path, bonus), dim=1).scatter(1, accepted, bonus)  # [n, Bv + 1]: drafts, the bonus at acc
+    positions = None if src is None else torch.cat((src.new_zeros(n, 1), src.clamp(max=nodes)), dim=1)
+    return emitted_logprobs(logits, requests, tokens, positions)
 
 
 def shared_prefills(new: list[Request]) -> tuple[list[Request], list[Request], list[int]]:

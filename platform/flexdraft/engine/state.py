@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from flexdraft.speculative.branches import AcceptanceModel
 from flexdraft.speculative.grammar import Matcher
 from flexdraft.speculative.lookup import NgramIndex
 from flexdraft.speculative.sampling import Generation, GenerationStats, SamplingParams, TokenLogprob
@@ -92,6 +93,20 @@ def draft_caps(requests: list[Request], B: int, online: bool = True) -> list[int
     speculation), 0 while its own acceptance says drafting does not pay (`RowAcceptance`; `online` only), else B."""
     return [min(B, req.params.max_draft_tokens) if req.params.max_draft_tokens is not None
             else B if not online or req.acceptance.drafts_now() else 0 for req in requests]
+
+
+def count_acceptance(requests: list[Request], model: AcceptanceModel, acc: list[int], kinds: list, caps: list[int],
+                     block: int) -> list[int]:
+    """After a verify of blocks of `block` drafts: each request's own acceptance against the acceptance model's
+    expectation (drafter kinds), and the model's counts (rows not capped below the block) -> the accepted drafts of
+    each row that verified drafts (kinds[r] None: filler or a row capped at 0)."""
+    for req, a, kind, cap in zip(requests, acc, kinds, caps):
+        if kind in AcceptanceModel.KINDS:
+            req.acceptance.observe(a, model.expected_accepted(kind, min(block, cap)))
+    full = [k if c >= block else None for k, c in zip(kinds, caps)]
+    for kind in set(full) - {None}:
+        model.record(kind, block, [a for a, k in zip(acc, full) if k == kind])
+    return [a for a, k in zip(acc, kinds) if k is not None]
 
 
 def speculating_share(requests: list[Request], caps: list[int], Bv: int) -> float:
