@@ -380,6 +380,7 @@ def test_sixteen_concurrent_requests_succeed_in_shared_batches(app):
     ({"prompt": "hi", "max_tokens": 250}, AUTH, 400, "max_tokens"),  # + verify and branch slots > 256
     ({"prompt": "hi", "max_tokens": 0}, AUTH, 400, "max_tokens"),
     ({"prompt": "hi", "n": 17}, AUTH, 400, "n"),
+    ({"prompt": "hi", "logit_bias": {"49152": 1}}, AUTH, 400, "logit_bias"),  # (past the vocabulary: the engine says)
     ({"prompt": "hi"}, {"Authorization": "Bearer wrong"}, 401, None),
     ({"prompt": "hi"}, {}, 401, None),
     (b"{not json", {}, 401, None),  # the key is checked before the body is read

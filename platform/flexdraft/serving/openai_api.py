@@ -14,7 +14,7 @@ from functools import lru_cache
 from pydantic import ValidationError
 
 from flexdraft.core.data import chat_ids
-from flexdraft.core.errors import ContextTooLong, FlexDraftError
+from flexdraft.core.errors import ContextTooLong, FieldError, FlexDraftError
 from flexdraft.serving.protocol import ChatCompletionRequest, CompletionRequest
 from flexdraft.speculative.grammar import JSON_OBJECT, Grammar
 from flexdraft.speculative.sampling import SEED_RANGE, Generation, SamplingParams, TokenLogprob
@@ -161,7 +161,7 @@ def _grammar(response_format) -> Grammar | None:
         raise APIError(400, "'response_format' of type json_schema needs 'json_schema'", "response_format")
     grammar = Grammar.json_schema(response_format.json_schema.schema_)
     try:
-        grammar.compiled()
+        grammar.compiled()  # (made here, off the engine thread)
     except FlexDraftError as e:
         raise APIError(400, f"'response_format': {e}", "response_format") from None
     return grammar
@@ -396,13 +396,11 @@ def fit_to_engine(req: Request, engine) -> None:
     if not req.max_tokens_given:
         room = engine.config.max_len - engine.slots_needed(len(req.prompt_ids), 0)
         req.params.max_new_tokens = min(req.params.max_new_tokens, room)
-    V = engine.target.args.vocab_size
-    bad = [t for t, _ in req.params.logit_bias if t >= V]
-    if bad:
-        raise APIError(400, f"'logit_bias' has token id {bad[0]} outside the vocabulary of {V}", "logit_bias")
     try:
         engine.check_request(req.prompt_ids, req.params)
     except ContextTooLong as e:
         raise APIError(400, str(e), "max_tokens", code="context_length_exceeded") from None
+    except FieldError as e:
+        raise APIError(400, str(e), e.field) from None
     except FlexDraftError as e:
         raise APIError(400, str(e), "prompt") from None
