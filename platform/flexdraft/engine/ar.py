@@ -67,9 +67,9 @@ def generate(model: Transformer, prompts: list[list[int]], params: SamplingParam
     Rows that finish (EOS or max_new_tokens) are dropped from the cache, so later steps stop paying for them.
     deadline (epoch seconds): decoding stops there, and rows still running end with finish_reason "time".
     """
-    if params.processes or params.logprobs is not None:
-        raise FlexDraftError("ar.generate applies no penalties, logit bias or min_tokens and reports no logprobs: "
-                             "decode such requests with the Engine (mode 'ar' for plain decoding)")
+    if not params.plain:
+        raise FlexDraftError("ar.generate applies no penalties, logit bias, min_tokens or grammar and reports no "
+                             "logprobs: decode such requests with the Engine (mode 'ar' for plain decoding)")
     context = model.args.max_position_embeddings
     check_prompts(prompts, context, model.args.vocab_size)
     device = model.device

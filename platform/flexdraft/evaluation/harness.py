@@ -131,11 +131,6 @@ class HarnessConfig:
                               frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
                               grammar=Grammar.json_schema(self.json_schema) if self.json_schema else None)
 
-    @property
-    def plain(self) -> bool:
-        """Whether requests ask for nothing beyond greedy decoding or sampling (what every method runs)."""
-        p = self.params()
-        return not (p.processes or p.grammar)
 
 
 def cell_work(prompts: int, batch: int, max_new_tokens: int) -> float:
@@ -165,7 +160,7 @@ def load_harness_config(path: str | Path) -> HarnessConfig:
 def skip_reason(method: str, batch: int, cfg: HarnessConfig) -> str | None:
     if cfg.method(method).kind != "engine" and cfg.temperature > 0:
         return "the transformers methods and the peers run greedy only here"
-    if cfg.method(method).kind != "engine" and not cfg.plain:
+    if cfg.method(method).kind != "engine" and not cfg.params().plain:
         return "the transformers methods and the peers run without penalties and grammars here"
     if method == "hf-prompt-lookup" and batch > 1:
         return "transformers prompt lookup runs at batch 1 only"  # "assisted generate is only supported for batch_size = 1"

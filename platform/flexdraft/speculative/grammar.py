@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import cached_property
 
 import llguidance
 import llguidance.hf
@@ -41,7 +42,12 @@ class Grammar:
         return Grammar("json_schema", json.dumps(schema, sort_keys=True))
 
     def compiled(self) -> str:
-        """llguidance's form of the grammar (FlexDraftError naming what is wrong with it)."""
+        """llguidance's form of the grammar (FlexDraftError naming what is wrong with it), made once: a server checks
+        it while parsing the request, off the engine thread, which then finds it made."""
+        return self._compiled
+
+    @cached_property
+    def _compiled(self) -> str:
         try:
             if self.kind == "json_schema":
                 grammar = llguidance.LLMatcher.grammar_from_json_schema(self.spec, defaults=JSON_LAYOUT)

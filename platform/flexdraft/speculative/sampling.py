@@ -93,6 +93,12 @@ class SamplingParams:
         return bool(self.logit_bias or self.min_tokens or self.presence_penalty or self.frequency_penalty
                     or self.repetition_penalty != 1.0)
 
+    @property
+    def plain(self) -> bool:
+        """Whether the request asks only for its tokens (no penalties, bias, min_tokens, grammar or logprobs): what
+        any decoder serves, `ar.generate` and the benchmark's transformers and peer methods among them."""
+        return not (self.processes or self.grammar is not None or self.logprobs is not None)
+
     def stop_ids(self, eos) -> set[int]:
         """The tokens that end this request, given the model's end-of-sequence ids."""
         return (set() if self.ignore_eos else set(eos)) | set(self.stop_token_ids)
