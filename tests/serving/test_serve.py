@@ -388,7 +388,8 @@ def test_sixteen_concurrent_requests_succeed_in_shared_batches(app):
     ({"prompt": "hi", "seed": 2 ** 70}, AUTH, 400, "seed"),
     ({"prompt": "x" * BODY_LIMIT}, AUTH, 413, None),  # past the app's max_body_bytes
 ], ids=["malformed-json", "wrong-type", "unknown-model", "prompt-too-long", "too-many-tokens", "max-tokens-0",
-        "unsupported-n", "bad-key", "no-key", "no-key-malformed", "not-utf8", "seed-overflow", "oversized"])
+        "n-past-16", "logit-bias-past-vocabulary", "bad-key", "no-key", "no-key-malformed", "not-utf8",
+        "seed-overflow", "oversized"])
 def test_bad_requests_get_openai_errors_and_the_replica_keeps_serving(app, body, headers, status, param):
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     r = httpx.post(f"{URL}/v1/completions", content=content, timeout=30,
