@@ -82,18 +82,19 @@ def test_real_smollm2_logits_equal_transformers(real_folder, real_hf, gsm8k_prom
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
 
 
-def test_explicit_gqa_attention_equals_sdpa():
-    """The bf16-on-CPU attention path computes what SDPA with enable_gqa computes (checked in fp32, with a
-    ragged causal mask and several query tokens per row)."""
-    from flexdraft.models.transformer import grouped_attention, grouped_bias
+def test_both_attention_paths_compute_sdpa_with_gqa():
+    """Both of `attend`'s paths, SDPA over query heads grouped by their key/value head and the bf16-on-CPU
+    explicit-matmul path, compute what SDPA with enable_gqa computes (fp32, a ragged causal mask and several
+    query tokens per row)."""
+    from flexdraft.models.transformer import attend, grouped_bias, grouped_mask
 
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(3, h, t, 16, generator=g) for h, t in ((6, 5), (2, 40), (2, 40)))
     pos = torch.tensor([[30], [10], [35]]) + torch.arange(5)  # [B, T]
     mask = (torch.arange(40) <= pos[..., None])[:, None]  # [B, 1, T, S]
     expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-    got = grouped_attention(q, k, v, grouped_bias(mask, group=3))
-    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    for grouped in (grouped_mask(mask, group=3), grouped_bias(mask, group=3)):
+        torch.testing.assert_close(attend(q, k, v, grouped), expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("attention", ["math", "sdpa", "auto"])
