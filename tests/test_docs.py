@@ -123,6 +123,7 @@ def span(values: list[str]) -> str:
 
 DEMO, DEMO_RUN = RESULTS / "2026-12-02-demo" / "results.md", RESULTS / "2026-12-02-demo" / "README.md"
 PEERS = RESULTS / "2026-12-06-peers"
+XEON = RESULTS / "2026-12-06-xeon"
 SERVE, HTTP = RESULTS / "2026-12-04-serve" / "README.md", RESULTS / "2026-12-05-http" / "README.md"
 HEADLINE_ROWS = {  # the README's headline table row -> the harness's method
     "`transformers` `generate` (same weights)": "hf-generate", "`transformers` prompt lookup": "hf-prompt-lookup",
@@ -139,6 +140,7 @@ def readme_figures() -> list[tuple[str, tuple, tuple]]:
     demo = summary(DEMO, "**Speed-up over our AR, mean over the datasets**")
     fp32 = summary(PEERS / "fp32" / "results.md", "**Speed-up over our AR, mean over the datasets**")
     vs_peer = {dt: summary(PEERS / dt / "results.md", "**Speed-up over the best peer") for dt in ("bf16", "fp32")}
+    xeon = [summary(XEON / run / "results.md", "**Speed-up over the best peer") for run in ("before-bf16", "bf16")]
     served = table(SERVE, "concurrency", "learned / AR")
     http = table(HTTP, "concurrency", "learned / AR")
     shares = {(r["mode"], r["side"]): r["share of offline"] for r in table(HTTP, "mode", "side", "tok/s")}
@@ -161,6 +163,9 @@ def readme_figures() -> list[tuple[str, tuple, tuple]]:
         ("beside vLLM", said(r"Our AR is ([\d.]+x?) / ([\d.]+x?) \(bf16\) and ([\d.]+x?) / ([\d.]+x?) \(fp32\) of vLLM's best mode at batch 1 / 16,"
                              r" adaptive ([\d.]+x?) / ([\d.]+x?) and ([\d.]+x?) / ([\d.]+x?)"),
          (*vs_peer["bf16"]["ar"], *vs_peer["fp32"]["ar"], *vs_peer["bf16"]["adaptive"], *vs_peer["fp32"]["adaptive"])),
+        ("beside vLLM on the Xeon", said(r"On the Intel Xeon with AMX \(bf16, two runs\): our AR ([\d.]+-[\d.]+)x / "
+                                         r"([\d.]+-[\d.]+)x, adaptive ([\d.]+-[\d.]+)x / ([\d.]+-[\d.]+)x"),
+         tuple(span([run[m][b] for run in xeon]) for m in ("ar", "adaptive") for b in (0, 1))),
         ("served, 2026-12-04", said(r"gave ([\d.]+x) at concurrency 1 and ([\d.]+-[\d.]+)x at 2-16, where AR against itself moved ([\d.]+-[\d.]+)x"),
          (served[0]["learned / AR"], span([r["learned / AR"] for r in served[1:]]),
           span([r["ar2 / AR (noise)"] for r in served[1:]]))),
@@ -178,7 +183,7 @@ def test_each_readme_figure_equals_its_results_file():
     wrong = [f"{claim}: the README says {readme}, its results file {source}"
              for claim, readme, source in figures if readme != source]
     assert not wrong, "\n".join(wrong)
-    assert len(figures) == 11
+    assert len(figures) == 12
 
 
 def test_config_paths_in_documented_commands_exist():
