@@ -1,6 +1,7 @@
-"""SDPA over query heads grouped by their key/value head against SDPA's own enable_gqa, inside whole target forwards:
-for each shape (rows x tokens over a cache of S tokens), both forms alternate, one forward each, in one process,
-and the median of each and their ratio are printed (this machine's speed drifts between runs, not within a pair).
+"""`attend` as shipped (SDPA over query heads grouped by their key/value head, from 2 rows on) against SDPA's own
+enable_gqa at every shape, inside whole target forwards: for each shape (rows x tokens over a cache of S tokens),
+both forms alternate, one forward each, in one process, and the median of each and their ratio are printed (this
+machine's speed drifts between runs, not within a pair).
 
     python benchmarks/2026-12-06-attention/ab.py --dtype bfloat16 [--json out.json]
 

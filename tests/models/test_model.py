@@ -83,9 +83,9 @@ def test_real_smollm2_logits_equal_transformers(real_folder, real_hf, gsm8k_prom
 
 
 def test_both_attention_paths_compute_sdpa_with_gqa():
-    """Both of `attend`'s paths, SDPA over query heads grouped by their key/value head and the bf16-on-CPU
-    explicit-matmul path, compute what SDPA with enable_gqa computes (fp32, a ragged causal mask and several
-    query tokens per row)."""
+    """Each of `attend`'s paths (SDPA over query heads grouped by their key/value head, SDPA with enable_gqa for a
+    single row, the bf16-on-CPU explicit-matmul path) computes what SDPA with enable_gqa computes (fp32, a ragged
+    causal mask and several query tokens per row)."""
     from flexdraft.models.transformer import attend, grouped_bias, grouped_mask
 
     g = torch.Generator().manual_seed(0)
@@ -93,8 +93,10 @@ def test_both_attention_paths_compute_sdpa_with_gqa():
     pos = torch.tensor([[30], [10], [35]]) + torch.arange(5)  # [B, T]
     mask = (torch.arange(40) <= pos[..., None])[:, None]  # [B, 1, T, S]
     expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-    for grouped in (grouped_mask(mask, group=3), grouped_bias(mask, group=3)):
-        torch.testing.assert_close(attend(q, k, v, grouped), expected, atol=1e-5, rtol=1e-5)
+    for rows in (slice(0, 3), slice(1, 2)):  # several rows, and one (which takes enable_gqa itself)
+        for grouped in (grouped_mask(mask[rows], group=3), grouped_bias(mask[rows], group=3)):
+            got = attend(q[rows], k[rows], v[rows], grouped)
+            torch.testing.assert_close(got, expected[rows], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("attention", ["math", "sdpa", "auto"])

@@ -346,13 +346,17 @@ def attend(q, keys, values, mask):
     """q [B, H, T, D], keys/values [B, Hkv, S, D]; mask: bool from `grouped_mask` (SDPA) or an additive bias from
     `grouped_bias` (the bf16-on-CPU path), both [B, 1, H/Hkv*T, S] -> [B, H, T, D].
 
-    SDPA sees the query heads that share a key/value head as that head's rows, rather than enable_gqa's heads,
-    whose CPU kernel reads each key/value head once per query head (a bf16 9-token verify at 16 rows took
-    0.90-0.96x the forward's time this way; other shapes the same)."""
+    Over several rows SDPA sees the query heads that share a key/value head as that head's rows, rather than
+    enable_gqa's heads, whose CPU kernel reads each key/value head once per query head (a bf16 9-token verify at 16
+    rows: 0.90-0.97x the forward's time). A single row keeps enable_gqa: grouped, its Hkv heads leave SDPA too few
+    tasks for its threads (a 9-token verify at 1 row: 1.02-1.05x the time grouped)."""
     if mask.dtype != torch.bool:
         return grouped_attention(q, keys, values, mask)
     B, H, T, D = q.shape
     Hkv = keys.shape[1]
+    if B == 1 and Hkv < H:  # the grouped mask's rows are the same for each of a group's heads: take the first's
+        heads_mask = mask.view(B, 1, H // Hkv, T, -1)[:, :, 0]
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=heads_mask, enable_gqa=True)
     out = F.scaled_dot_product_attention(q.reshape(B, Hkv, H // Hkv * T, D), keys, values, attn_mask=mask)
     return out.view(B, H, T, D)
 
