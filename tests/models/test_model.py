@@ -86,7 +86,7 @@ def test_both_attention_paths_compute_sdpa_with_gqa():
     """Each of `attend`'s paths (SDPA over query heads grouped by their key/value head, SDPA with enable_gqa for a
     single row, the bf16-on-CPU explicit-matmul path) computes what SDPA with enable_gqa computes (fp32, a ragged
     causal mask and several query tokens per row)."""
-    from flexdraft.models.transformer import attend, grouped_bias, grouped_mask
+    from flexdraft.models.attention import attend, grouped_bias, grouped_mask
 
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(3, h, t, 16, generator=g) for h, t in ((6, 5), (2, 40), (2, 40)))
@@ -104,7 +104,7 @@ def test_both_attention_paths_compute_sdpa_with_gqa():
 def test_bf16_runtime_tracks_fp32(tmp_path, attention):
     """bf16 on CPU stays close to fp32 with either attention kernel (and with the one `auto` measures faster):
     same argmax on >= 90% of positions."""
-    from flexdraft.models.transformer import cpu_attention_kernel
+    from flexdraft.models.attention import cpu_attention_kernel
 
     make_tiny_hf("qwen3", tmp_path)
     ref = load_model(tmp_path, CPU32, with_tokenizer=False).model

@@ -20,9 +20,9 @@ def env_report(model: str) -> dict:
 
     from flexdraft.core.config import RuntimeConfig, data_dir
     from flexdraft.core.hardware import probe
+    from flexdraft.models.attention import cpu_attention_kernel
     from flexdraft.models.config import ModelArgs
     from flexdraft.models.loading import BUNDLED, bundled_gguf, gguf_cache_folder
-    from flexdraft.models.transformer import cpu_attention_kernel
 
     caps, runtime = probe(), RuntimeConfig()
     runtime.apply()

@@ -36,7 +36,7 @@ class RuntimeConfig:
     # oneDNN-prepacked linear weights on CPU (inference; 1.5-2x faster GEMMs), where oneDNN can pack the dtype
     cpu_prepack: bool = True
     # attention kernel for bf16/fp16 on CPU: sdpa, math (explicit matmuls), or auto = whichever a micro-benchmark
-    # at load time finds faster on this CPU (models.transformer.cpu_attention_kernel); fp32 and CUDA use SDPA
+    # at load time finds faster on this CPU (models.attention.cpu_attention_kernel); fp32 and CUDA use SDPA
     cpu_attention: str = "auto"
 
     def torch_device(self) -> torch.device:

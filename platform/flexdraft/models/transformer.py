@@ -21,6 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from flexdraft.core.hardware import probe
+from flexdraft.models.attention import SDPA_MIN_TOKENS, attend, cpu_attention_kernel, grouped_bias, grouped_mask
 from flexdraft.models.config import ModelArgs
 
 
@@ -120,73 +121,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     the reference's x * cos + rotate_half(x) * sin, bitwise: rotate_half(x) = cat(-x2, x1) and
     roll(x) * [-sin, sin] = cat(x2, x1) * [-sin, sin] differ only in where the sign flip happens (exact)."""
     return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
-
-
-def grouped_mask(mask: torch.Tensor, group: int) -> torch.Tensor:
-    """Boolean mask [B, 1, T, S] -> [B, 1, group*T, S]: the rows of the `group` query heads that share a key/value
-    head, one after another (what `attend` and `grouped_attention` take)."""
-    B, _, T, S = mask.shape
-    return mask[:, :, None].expand(B, 1, group, T, S).reshape(B, 1, group * T, S)
-
-
-def grouped_bias(mask: torch.Tensor, group: int) -> torch.Tensor:
-    """Boolean mask [B, 1, T, S] -> additive fp32 bias [B, 1, group*T, S] in `grouped_attention`'s row order."""
-    mask = grouped_mask(mask, group)
-    return torch.zeros(mask.shape, device=mask.device).masked_fill_(~mask, float("-inf"))
-
-
-def grouped_attention(q, k, v, bias):
-    """Explicit-matmul GQA attention, q [B, H, T, D], k/v [B, Hkv, S, D], bias from `grouped_bias` -> [B, H, T, D].
-
-    For bf16/fp16 on CPUs where SDPA's CPU kernel is slow for a few query tokens (up to 10x on some AVX512-BF16
-    CPUs); `cpu_attention_kernel` decides.
-    Query head h uses key/value head h // group, as in SDPA's enable_gqa; the softmax runs in fp32.
-    """
-    B, H, T, D = q.shape
-    Hkv = k.shape[1]
-    # (k @ q^T)^T, not q @ k^T: a cache slice is a plain row-major matrix per (row, head), while its
-    # transpose makes the bf16 batched GEMM copy it first (0.17 ms against 0.29 ms per layer, batch 16)
-    qt = q.reshape(B, Hkv, H // Hkv * T, D).transpose(-1, -2)
-    scores = (k @ qt).transpose(-1, -2)  # [B, Hkv, g*T, S]
-    probs = torch.add(bias, scores.float(), alpha=D ** -0.5).softmax(-1).to(q.dtype)  # scaled in fp32
-    return (probs @ v).view(B, H, T, D)
-
-
-_KERNEL_CHOICE: dict[tuple, str] = {}
-# From this many tokens per row a forward attends with SDPA even where the model takes the math path: the math
-# path's fp32 scores grow as T x S (a 444-token prefill of 4 rows took 2.5 s against SDPA's 1.8 s in bf16 on an
-# AVX512-BF16 EPYC, while at 56-121 tokens the two were within noise).
-SDPA_MIN_TOKENS = 256
-
-
-def cpu_attention_kernel(args: ModelArgs, dtype: torch.dtype) -> str:
-    """"sdpa" or "math": whichever attention runs this model's heads faster on this CPU in `dtype`, timed once per
-    process and shape (best of 5, ~30 ms in all) over a decode step at 16 rows, a 9-token verify at 1 row
-    (256 cached keys each) and a 64-token prefill at 4 rows. Timed, not assumed: which is faster differs by CPU
-    (measurements: docs/runtime.md)."""
-    H, Hkv, D = args.n_heads, args.n_kv_heads, args.head_dim
-    key = (H, Hkv, D, dtype, torch.get_num_threads())
-    if key not in _KERNEL_CHOICE:
-        total = {"sdpa": 0.0, "math": 0.0}
-        gen = torch.Generator().manual_seed(0)
-        for B, T, S in ((16, 1, 256), (1, 9, 256), (4, 64, 64)):
-            q = torch.randn(B, H, T, D, generator=gen).to(dtype)
-            k, v = (torch.randn(B, Hkv, S, D, generator=gen).to(dtype) for _ in range(2))
-            mask = (torch.arange(S) <= (S - T + torch.arange(T))[:, None]).expand(B, 1, T, S)
-            bias, grouped = grouped_bias(mask, H // Hkv), grouped_mask(mask, H // Hkv)
-            runs = {"sdpa": lambda: attend(q, k, v, grouped),  # noqa: B023
-                    "math": lambda: grouped_attention(q, k, v, bias)}  # noqa: B023 (both run within this iteration)
-            with torch.inference_mode():
-                for name, fn in runs.items():
-                    fn()
-                    best = float("inf")
-                    for _ in range(5):
-                        t = time.perf_counter()
-                        fn()
-                        best = min(best, time.perf_counter() - t)
-                    total[name] += best
-        _KERNEL_CHOICE[key] = min(total, key=total.get)
-    return _KERNEL_CHOICE[key]
 
 
 ONE_ROW_PATHS = ("packed", "pair", "linear")
@@ -340,25 +274,6 @@ class Attention(nn.Module):
         B, H, T, D = y.shape
         return self.o_proj(y.transpose(1, 2).reshape(B, T, H * D))
 
-
-
-def attend(q, keys, values, mask):
-    """q [B, H, T, D], keys/values [B, Hkv, S, D]; mask: bool from `grouped_mask` (SDPA) or an additive bias from
-    `grouped_bias` (the bf16-on-CPU path), both [B, 1, H/Hkv*T, S] -> [B, H, T, D].
-
-    Over several rows SDPA sees the query heads that share a key/value head as that head's rows, rather than
-    enable_gqa's heads, whose CPU kernel reads each key/value head once per query head (a bf16 9-token verify at 16
-    rows: 0.90-0.97x the forward's time). A single row keeps enable_gqa: grouped, its Hkv heads leave SDPA too few
-    tasks for its threads (a 9-token verify at 1 row: 1.02-1.05x the time grouped)."""
-    if mask.dtype != torch.bool:
-        return grouped_attention(q, keys, values, mask)
-    B, H, T, D = q.shape
-    Hkv = keys.shape[1]
-    if B == 1 and Hkv < H:  # the grouped mask's rows are the same for each of a group's heads: take the first's
-        heads_mask = mask.view(B, 1, H // Hkv, T, -1)[:, :, 0]
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=heads_mask, enable_gqa=True)
-    out = F.scaled_dot_product_attention(q.reshape(B, Hkv, H // Hkv * T, D), keys, values, attn_mask=mask)
-    return out.view(B, H, T, D)
 
 
 class MLP(nn.Module):
