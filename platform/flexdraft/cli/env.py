@@ -6,7 +6,8 @@ from pathlib import Path
 
 VERSIONS = ("flexdraft", "torch", "ray", "deepspeed", "transformers", "mlflow", "datasets", "safetensors")
 ENV_VARS = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "OMP_NUM_THREADS",
-            "CUDA_VISIBLE_DEVICES", "DS_ACCELERATOR", "RAY_ADDRESS", "MLFLOW_TRACKING_URI", "FLEXDRAFT_HOME")
+            "CUDA_VISIBLE_DEVICES", "DS_ACCELERATOR", "RAY_ADDRESS", "MLFLOW_TRACKING_URI", "FLEXDRAFT_HOME",
+            "FLEXDRAFT_CPU_KERNELS")
 
 
 def env_report(model: str) -> dict:
@@ -20,6 +21,7 @@ def env_report(model: str) -> dict:
 
     from flexdraft.core.config import RuntimeConfig, data_dir
     from flexdraft.core.hardware import probe
+    from flexdraft.models import kernels
     from flexdraft.models.attention import cpu_attention_kernel
     from flexdraft.models.config import ModelArgs
     from flexdraft.models.loading import BUNDLED, bundled_gguf, gguf_cache_folder
@@ -46,6 +48,8 @@ def env_report(model: str) -> dict:
         "hardware": {**caps.describe(), "cores_available": str(len(os.sched_getaffinity(0)))},
         "auto": {"device": str(device), "dtype": str(dtype).removeprefix("torch."),
                  "prepack": str(device.type == "cpu" and caps.can_prepack(dtype)), "attention": attention,
+                 "cpu_kernels": (f"decode attention in C++ ({caps.cpu_isa}, {kernels.cache_dir()})"
+                                 if device.type == "cpu" and kernels.load() else "none (PyTorch ops)"),
                  "threads": str(torch.get_num_threads())},
         "versions": versions,
         "env": {k: os.environ[k] for k in ENV_VARS if k in os.environ},

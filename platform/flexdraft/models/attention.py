@@ -1,5 +1,6 @@
-"""Attention for the decoder: SDPA, or explicit GQA matmuls for bf16/fp16 on CPUs where they are faster, each over
-the query heads grouped by the key/value head they share; which one a CPU runs faster is timed once per process.
+"""Attention for the decoder: a C++ kernel for a few query rows on CPU (`kernels`), SDPA, or explicit GQA matmuls
+for bf16/fp16 on CPUs where they are faster, each over the query heads grouped by the key/value head they share;
+which of the last two a CPU runs faster is timed once per process.
 
 Shapes as in `transformer`: q [B, H, T, D], keys/values [B, Hkv, S, D], masks [B, 1, H/Hkv*T, S].
 """
@@ -10,6 +11,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from flexdraft.models import kernels
 from flexdraft.models.config import ModelArgs
 
 
@@ -84,10 +86,16 @@ def attend(q, keys, values, mask):
     """q [B, H, T, D], keys/values [B, Hkv, S, D]; mask: bool from `grouped_mask` (SDPA) or an additive bias from
     `grouped_bias` (the bf16-on-CPU path), both [B, 1, H/Hkv*T, S] -> [B, H, T, D].
 
+    Decode steps and short verifies on CPU run the C++ kernel `decode_attention` (`kernels.use_decode_attention`
+    says when): SDPA's CPU kernel tiles for long query blocks, and with a few query rows per head its overhead
+    dominates (a bf16 decode step of 16 rows: 0.92-0.94x the forward's time on the kernel).
+
     Over several rows SDPA sees the query heads that share a key/value head as that head's rows, rather than
     enable_gqa's heads, whose CPU kernel reads each key/value head once per query head (a bf16 9-token verify at 16
     rows: 0.90-0.97x the forward's time). A single row keeps enable_gqa: grouped, its Hkv heads leave SDPA too few
     tasks for its threads (a 9-token verify at 1 row: 1.02-1.05x the time grouped)."""
+    if kernels.use_decode_attention(q, keys, values):
+        return torch.ops.flexdraft.decode_attention(q, keys, values, mask)
     if mask.dtype != torch.bool:
         return grouped_attention(q, keys, values, mask)
     B, H, T, D = q.shape

@@ -1,0 +1,101 @@
+"""The C++ decode attention (`kernels`): what SDPA computes, for every mask and layout the model hands it, in fp32
+and with a single rounding in bf16; taken exactly where `use_decode_attention` says; and where it cannot be built
+or is turned off, the model runs on PyTorch's ops."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import REPO
+from flexdraft.models import kernels
+from flexdraft.models.attention import attend, grouped_bias, grouped_mask
+
+pytestmark = pytest.mark.skipif(not kernels.load(), reason="no C++ kernels on this machine")
+
+
+def case(B, H, Hkv, T, S, D, dtype, seed=0):
+    """q [B, H, T, D], keys/values as views of a longer cache, and a ragged causal mask with holes [B, 1, T, S]."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, T, D, generator=g).to(dtype)
+    cache_k, cache_v = (torch.randn(B, Hkv, S + 13, D, generator=g).to(dtype) for _ in range(2))
+    pos = torch.randint(T - 1, S - T + 1, (B, 1), generator=g) + torch.arange(T)  # [B, T]
+    mask = torch.arange(S) <= pos[..., None]  # [B, T, S]
+    mask &= torch.rand(B, T, S, generator=g) > 0.2  # a token tree's holes
+    mask[..., 0] = True
+    return q, cache_k[:, :, :S], cache_v[:, :, :S], mask[:, None]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("B,H,Hkv,T,S,D", [(16, 9, 3, 1, 70, 64), (3, 4, 2, 5, 33, 16), (1, 9, 3, 9, 120, 64),
+                                           (2, 8, 8, 2, 17, 32), (1, 2, 1, 32, 70, 128)])
+def test_decode_attention_is_sdpa_rounded_once(dtype, B, H, Hkv, T, S, D):
+    """Bool mask and additive bias alike: fp32 equals SDPA to 1e-5; bf16 is SDPA over the same bf16 inputs,
+    computed in fp32, rounded once (within half a bf16 step: 2^-8 of the value). The output is laid out [B, T, H, D],
+    so the output projection's [B, T, H*D] is a view."""
+    q, k, v, mask = case(B, H, Hkv, T, S, D, dtype)
+    expected = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,
+                                              enable_gqa=True)
+    for form in (grouped_mask(mask, H // Hkv), grouped_bias(mask, H // Hkv)):
+        got = torch.ops.flexdraft.decode_attention(q, k, v, form)
+        assert got.shape == (B, H, T, D) and got.dtype == dtype and got.transpose(1, 2).is_contiguous()
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        else:
+            assert ((got.float() - expected).abs() <= expected.abs() * 2 ** -8 + 1e-5).all()
+
+
+def test_a_row_that_sees_no_key_attends_to_nothing():
+    q, k, v, mask = case(2, 4, 2, 1, 20, 16, torch.float32)
+    mask[1] = False
+    got = torch.ops.flexdraft.decode_attention(q, k, v, grouped_mask(mask, 2))
+    assert got[1].eq(0).all() and got[0].abs().sum() > 0
+
+
+def test_attend_takes_the_kernel_for_few_query_rows_only():
+    """Decode steps and short verifies (up to 16 query rows per key/value head; a single sequence up to 64) take the
+    kernel; a 9-token verify of several rows, autograd and head dims not in whole vectors take PyTorch's ops."""
+    def takes(B, T, D=64, grad=False):
+        q, k, v, _ = case(B, 9, 3, T, 80, D, torch.float32)
+        return kernels.use_decode_attention(q.requires_grad_(grad), k, v)
+
+    assert takes(16, 1) and takes(16, 5) and takes(1, 9) and takes(1, 21)
+    assert not takes(16, 9) and not takes(1, 22) and not takes(1, 1, D=72) and not takes(1, 1, grad=True)
+    q, k, v, mask = case(4, 9, 3, 1, 40, 64, torch.float32)
+    q.requires_grad_(True)
+    out = attend(q, k, v, grouped_mask(mask, 3))
+    out.sum().backward()  # the autograd path: SDPA, whose gradient reaches q
+    assert q.grad is not None and q.grad.abs().sum() > 0
+
+
+SCRIPT = """
+import json, torch, torch.nn.functional as F
+from flexdraft.models import kernels
+from flexdraft.models.attention import attend, grouped_mask
+from flexdraft.core.hardware import probe
+g = torch.Generator().manual_seed(0)
+q, k, v = torch.randn(4, 9, 1, 64, generator=g), torch.randn(4, 3, 30, 64, generator=g), torch.randn(4, 3, 30, 64, generator=g)
+mask = torch.ones(4, 1, 1, 30, dtype=torch.bool)
+expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+got = attend(q, k, v, grouped_mask(mask, 3))
+print(json.dumps({"loaded": kernels.load(), "isa": probe().cpu_isa, "diff": (got - expected).abs().max().item()}))
+"""
+
+
+@pytest.mark.parametrize("env,loaded", [({"ATEN_CPU_CAPABILITY": "avx2"}, True), ({"CXX": "/nonexistent/c++"}, False),
+                                        ({"FLEXDRAFT_CPU_KERNELS": "0"}, False)], ids=["avx2", "no-compiler", "off"])
+def test_kernels_build_per_isa_or_fall_back(tmp_path, env, loaded):
+    """In a fresh cache: an AVX2-only CPU (torch capped to AVX2) gets a build of its own that computes the same;
+    without a compiler the build fails with one warning line, not a traceback, and attention runs on SDPA; so it does
+    with FLEXDRAFT_CPU_KERNELS=0."""
+    run = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300, cwd=REPO,
+                         env={**__import__("os").environ, "XDG_CACHE_HOME": str(tmp_path), **env})
+    assert run.returncode == 0, run.stderr[-2000:]
+    result = json.loads(run.stdout.splitlines()[-1])
+    assert result["loaded"] is loaded and result["diff"] < 1e-5
+    if env.get("ATEN_CPU_CAPABILITY"):
+        assert result["isa"] == "AVX2" and list(tmp_path.glob("flexdraft/kernels/*/*.so"))
+    if "CXX" in env:
+        assert "could not be built" in run.stderr and "Traceback" not in run.stderr
