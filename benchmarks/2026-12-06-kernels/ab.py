@@ -1,5 +1,6 @@
-"""The C++ decode attention (`flexdraft.models.kernels`) against PyTorch's attention as it ran before (SDPA, or the
-explicit-matmul path where the model takes it), on the real model, paired in one process:
+"""The C++ CPU kernels (`flexdraft.models.kernels`: decode attention and the fused elementwise ops) against the
+PyTorch ops the model runs without them (SDPA, or the explicit-matmul path where the model takes it), on the real
+model, paired in one process:
 
 1. whole target forwards per shape (rows x tokens over S cached tokens), the two forms alternating, median of each;
 2. whole generations of the engine (16 GSM8K prompts, greedy, 64 new tokens) in AR and adaptive at batch 1 and 16,
@@ -25,11 +26,12 @@ from flexdraft.models.loading import load_model
 from flexdraft.speculative.sampling import SamplingParams
 
 SHAPES = [(1, 1, 256), (4, 1, 256), (16, 1, 120), (16, 1, 256), (16, 1, 500), (1, 9, 120), (16, 5, 256)]
-KERNEL = kernels.use_decode_attention
+LOAD = kernels.load
 
 
 def use(form: str) -> None:
-    kernels.use_decode_attention = KERNEL if form == "kernel" else (lambda q, keys, values: False)
+    """Every kernel on, or every one off (the predicates that pick them read `kernels.load` on each call)."""
+    kernels.load = LOAD if form == "kernel" else (lambda: False)
 
 
 def forwards(runtime: RuntimeConfig, reps: int) -> list[dict]:
@@ -94,13 +96,13 @@ def main() -> None:
     fw = forwards(runtime, args.reps)
     gen = generations(runtime, args.drafter, args.pairs)
     print(f"\n{args.dtype}, 2 threads; forwards: median of {args.reps} alternating pairs\n")
-    print("| rows x tokens, cached | PyTorch attention ms | C++ decode attention ms | ratio |")
+    print("| rows x tokens, cached | PyTorch ops ms | C++ kernels ms | ratio |")
     print("|---|---|---|---|")
     for r in fw:
         print(f"| {r['rows']} x {r['tokens']}, {r['cached']} | {r['pytorch_ms']:.1f} | {r['kernel_ms']:.1f} | "
               f"{r['ratio']:.2f} |")
     print(f"\ngenerations: 16 GSM8K prompts, 64 new tokens, median of {args.pairs} alternating pairs\n")
-    print("| mode, batch | PyTorch attention tok/s | C++ decode attention tok/s | speed-up | same outputs |")
+    print("| mode, batch | PyTorch ops tok/s | C++ kernels tok/s | speed-up | same outputs |")
     print("|---|---|---|---|---|")
     for r in gen:
         print(f"| {r['mode']}, {r['batch']} | {r['pytorch_tok_s']:.1f} | {r['kernel_tok_s']:.1f} | "

@@ -1,6 +1,7 @@
-"""The C++ decode attention (`kernels`): what SDPA computes, for every mask and layout the model hands it, in fp32
-and with a single rounding in bf16; taken exactly where `use_decode_attention` says; and where it cannot be built
-or is turned off, the model runs on PyTorch's ops."""
+"""The C++ CPU kernels (`kernels`): the decode attention computes what SDPA computes, for every mask and layout the
+model hands it, in fp32 and with a single rounding in bf16, and is taken exactly where `use_decode_attention` says;
+the fused elementwise ops compute what the PyTorch ops they replace compute, bitwise in bf16, and the model with
+them what it computes without; where they cannot be built or are turned off, the model runs on PyTorch's ops."""
 import json
 import subprocess
 import sys
@@ -9,9 +10,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import REPO
+from conftest import REPO, make_tiny_hf
+from flexdraft.core.config import RuntimeConfig
 from flexdraft.models import kernels
 from flexdraft.models.attention import attend, grouped_bias, grouped_mask
+from flexdraft.models.loading import load_model
+from flexdraft.models.transformer import apply_rope
 
 pytestmark = pytest.mark.skipif(not kernels.load(), reason="no C++ kernels on this machine")
 
@@ -68,6 +72,70 @@ def test_attend_takes_the_kernel_for_few_query_rows_only():
     out = attend(q, k, v, grouped_mask(mask, 3))
     out.sum().backward()  # the autograd path: SDPA, whose gradient reaches q
     assert q.grad is not None and q.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("d,D", [(576, 64), (40, 12)], ids=["smollm2", "ragged"])
+@torch.inference_mode()
+def test_fused_ops_compute_what_the_pytorch_ops_compute(dtype, d, D):
+    """Each op equals the PyTorch ops it replaces, on widths in whole vectors and not: bitwise in bf16 (every
+    intermediate rounded where PyTorch rounds it); in fp32 the norm's sum of squares, and SiLU's exp on a row's tail
+    (scalar in PyTorch), may differ in the last bit."""
+    g = torch.Generator().manual_seed(0)
+    ops = torch.ops.flexdraft
+    x, r = (3 * torch.randn(5, 2, d, generator=g).to(dtype) for _ in range(2))
+    w = torch.randn(d, generator=g).to(dtype)
+    same = torch.equal if dtype == torch.bfloat16 else (lambda a, b: torch.allclose(a, b, rtol=1e-6, atol=1e-6))
+    assert same(ops.rms_norm(x, w, 1e-6), w * F.rms_norm(x, (d,), eps=1e-6))
+    h, y = ops.add_rms_norm(x, r, w, 1e-6)
+    assert torch.equal(h, x + r) and same(y, w * F.rms_norm(x + r, (d,), eps=1e-6))
+    gate_up = 3 * torch.randn(5, 2, 2 * d, generator=g).to(dtype)
+    assert same(ops.silu_mul(gate_up), F.silu(gate_up[..., :d]) * gate_up[..., d:])
+    heads = torch.randn(3, 2, 7, D, generator=g).to(dtype).view(3, 7, 2, D).transpose(1, 2)  # strided, as in a model
+    cos, sin = (torch.randn(3, 1, 7, D, generator=g).to(dtype) for _ in range(2))
+    assert torch.equal(ops.rope(heads, cos, sin), heads * cos + heads.roll(D // 2, -1) * sin)
+    cache_k, cache_v = (torch.zeros(3, 2, 9, D, dtype=dtype) for _ in range(2))
+    slots = torch.tensor([[4, 1], [0, 8], [7, 7]])  # a tree puts siblings in any slot; a repeat keeps the last
+    k, v = heads[:, :, :2], heads[:, :, 5:]
+    ops.write_kv(cache_k, cache_v, slots, k, v)
+    rows = torch.arange(3)[:, None]
+    expected_k, expected_v = torch.zeros_like(cache_k), torch.zeros_like(cache_v)
+    expected_k[rows, :, slots], expected_v[rows, :, slots] = k.transpose(1, 2), v.transpose(1, 2)
+    assert torch.equal(cache_k, expected_k) and torch.equal(cache_v, expected_v)
+    with pytest.raises(RuntimeError, match="outside the cache's 9 slots"):
+        ops.write_kv(cache_k, cache_v, slots + 5, k, v)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_model_computes_the_same_with_the_kernels_and_without(tmp_path, monkeypatch, dtype):
+    """A tiny Llama's prefill and cached decode steps (ragged rows) through every kernel equal the same model on
+    PyTorch's ops: fp32 to 1e-5; bf16, where only the attention's rounding differs, on >= 90% of argmaxes. Outside
+    inference (autograd), the kernels stay out of the way: gradients reach the inputs."""
+    make_tiny_hf("llama", tmp_path)
+    model = load_model(tmp_path, RuntimeConfig(device="cpu", dtype=dtype, threads=1), with_tokenizer=False).model
+    seqs = torch.randint(3, 96, (3, 14), generator=torch.Generator().manual_seed(3))
+
+    @torch.inference_mode()
+    def run():
+        cache = model.new_cache(3, 32)
+        out = [model.logits(model(seqs[:, :8], torch.arange(8).expand(3, 8), cache))]
+        cache.lens[:] = torch.tensor([8, 6, 7])
+        for t in range(8, 14):
+            out.append(model.logits(model(seqs[:, t:t + 1], cache.next_positions(1), cache)))
+            cache.lens += 1
+        return torch.cat(out, dim=1).float()
+
+    with_kernels = run()
+    monkeypatch.setattr(kernels, "load", lambda: False)
+    without = run()
+    if dtype == "float32":
+        torch.testing.assert_close(with_kernels, without, atol=1e-5, rtol=1e-5)
+    else:
+        assert (with_kernels.argmax(-1) == without.argmax(-1)).float().mean() >= 0.9
+    monkeypatch.undo()
+    x = torch.randn(2, 3, 16, requires_grad=True)
+    apply_rope(x.view(2, 3, 1, 16), torch.ones(2, 1, 1, 16), torch.zeros(2, 1, 1, 16)).sum().backward()
+    assert torch.equal(x.grad, torch.ones_like(x))
 
 
 SCRIPT = """

@@ -20,7 +20,7 @@ import torch
 from flexdraft.core import logs
 from flexdraft.core.hardware import probe
 
-SOURCES = [Path(__file__).parent / "csrc" / "decode_attention.cpp"]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("decode_attention.cpp", "fused_ops.cpp")]
 # ATen's vector types compile to the level named by CPU_CAPABILITY; these are the flags PyTorch builds its own at
 _ISA_FLAGS = {
     "AVX512": ["-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl",
@@ -68,7 +68,7 @@ def load() -> bool:
     start = time.perf_counter()
     try:
         cpp_extension.load(name=f"flexdraft_cpu_{ident}", sources=[str(s) for s in SOURCES],
-                           build_directory=str(folder), extra_cflags=["-O3", "-std=c++17", "-fopenmp", *_ISA_FLAGS[isa]],
+                           build_directory=str(folder), extra_cflags=["-O3", "-std=c++17", "-ffp-contract=off", "-fopenmp", *_ISA_FLAGS[isa]],
                            extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except (RuntimeError, OSError, ImportError) as e:  # no compiler, no ninja, a failed build
         lines = str(e).strip().splitlines() or [type(e).__name__]
@@ -89,6 +89,14 @@ def use_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tens
             and D % 16 == 0 and D <= 128  # whole vectors of 16 (AVX-512) or 8 (AVX2) floats, at most 16 of them
             and not (torch.is_grad_enabled() and (q.requires_grad or keys.requires_grad or values.requires_grad))
             and q.dtype != torch.float64 and load())
+
+
+def fused(*tensors: torch.Tensor) -> bool:
+    """Whether the model's elementwise work over these tensors runs on the fused C++ ops (`csrc/fused_ops.cpp`):
+    inference on CPU in a model dtype, with the kernels loaded."""
+    t = tensors[0]
+    return (t.device.type == "cpu" and t.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and not (torch.is_grad_enabled() and any(x.requires_grad for x in tensors)) and load())
 
 
 def main() -> None:

@@ -21,6 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from flexdraft.core.hardware import probe
+from flexdraft.models import kernels
 from flexdraft.models.attention import SDPA_MIN_TOKENS, attend, cpu_attention_kernel, grouped_bias, grouped_mask
 from flexdraft.models.config import ModelArgs
 
@@ -48,6 +49,9 @@ class KVCache:
 
     def write(self, layer: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v `[B, Hkv, T, D]` at slots pos `[B, T]`."""
+        if kernels.fused(k, v):
+            torch.ops.flexdraft.write_kv(self.k[layer], self.v[layer], pos, k, v)
+            return
         rows = torch.arange(pos.shape[0], device=pos.device)[:, None]
         # advanced indices (rows, pos) around a slice put their broadcast dims first: [B, T, Hkv, D]
         self.k[layer][rows, :, pos] = k.transpose(1, 2)
@@ -93,7 +97,16 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # normalised in fp32 and rounded once to the model dtype (rms_norm's reduced-precision kernels compute in
         # fp32: bitwise the reference's x.float() ... .to(dtype), two copies fewer), then scaled in the model dtype
+        if kernels.fused(x, self.weight) and x.is_contiguous():
+            return torch.ops.flexdraft.rms_norm(x, self.weight, self.eps)
         return self.weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
+
+    def residual(self, x: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + r, this norm of it): a residual connection and the norm after it, as one op where it can."""
+        if kernels.fused(x, r, self.weight) and x.is_contiguous() and r.is_contiguous():
+            return torch.ops.flexdraft.add_rms_norm(x, r, self.weight, self.eps)
+        x = x + r
+        return x, self(x)
 
 
 def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
@@ -120,6 +133,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """x [B, H, T, D]; cos [B, 1, T, D]; sin [B, 1, T, D] with its first half negated (`Transformer.rope`) ->
     the reference's x * cos + rotate_half(x) * sin, bitwise: rotate_half(x) = cat(-x2, x1) and
     roll(x) * [-sin, sin] = cat(x2, x1) * [-sin, sin] differ only in where the sign flip happens (exact)."""
+    if kernels.fused(x) and x.stride(-1) == 1:
+        return torch.ops.flexdraft.rope(x, cos, sin)
     return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
@@ -285,6 +300,8 @@ class MLP(nn.Module):
         self.gate_up: Fused | None = None  # inference: gate and up in one GEMM (Transformer.to_runtime)
 
     def forward(self, x):
+        if self.gate_up is not None and kernels.fused(x):
+            return self.down_proj(torch.ops.flexdraft.silu_mul(self.gate_up.linear(x)))
         gate, up = self.gate_up(x) if self.gate_up is not None else (self.gate_proj(x), self.up_proj(x))
         return self.down_proj(F.silu(gate) * up)
 
@@ -307,8 +324,8 @@ class DecoderLayer(nn.Module):
         `output(y)` as `Attention` has them (default this layer's own; the drafter passes its tuned ones)."""
         attn = self.self_attn if attn is None else attn
         q, k, v = attn.project(self.input_layernorm(x), cos, sin)
-        x = x + attn.output(attend(q, *kv(k, v), mask))
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x, h = self.post_attention_layernorm.residual(x, attn.output(attend(q, *kv(k, v), mask)))
+        return x + self.mlp(h)
 
 
 class Transformer(nn.Module):

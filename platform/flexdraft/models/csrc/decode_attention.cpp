@@ -6,9 +6,9 @@
 // bool (true = visible) or an additive fp32 bias. Returns [B, H, T, D] laid out as [B, T, H, D] in memory, so the
 // output projection's [B, T, H*D] is a view.
 //
-// One task per (row b, key/value head), for its query rows: their scores over the visible keys in fp32, a softmax in fp32,
-// and the weighted sum of the values, in fp32 until the single rounding of the output. Why not SDPA: its CPU flash
-// kernel tiles for long query blocks; with one to a few query rows per head its per-task overhead dominates.
+// One task per (row b, key/value head), for its query rows: their scores over the visible keys, a softmax and the
+// weighted sum of the values, in fp32 until the single rounding of the output. Why not SDPA: its CPU flash kernel
+// tiles for long query blocks; with one to a few query rows per head its per-task overhead dominates.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -135,6 +135,14 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
   });
 }
 
+// the output [B, H, T, D], laid out [B, T, H, D]
+template <typename E>
+at::Tensor dispatch_mask(bool boolean, const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                         const at::Tensor& mask, at::Tensor& out) {
+  boolean ? run<E, true>(q, keys, values, mask, out) : run<E, false>(q, keys, values, mask, out);
+  return out.transpose(1, 2);
+}
+
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
                             const at::Tensor& mask) {
   TORCH_CHECK(q.device().is_cpu() && q.dim() == 4 && keys.dim() == 4 && values.dim() == 4 && mask.dim() == 4,
@@ -156,21 +164,17 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
               "decode_attention: a bool mask or an fp32 bias");
   at::Tensor out = at::empty({B, T, H, D}, q.options());
   const bool boolean = mask.scalar_type() == at::kBool;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention", [&] {
-    if constexpr (std::is_same_v<scalar_t, double>) {
-      TORCH_CHECK(false, "decode_attention: float64 is not supported");
-    } else if (boolean) {
-      run<scalar_t, true>(q, keys, values, mask, out);
-    } else {
-      run<scalar_t, false>(q, keys, values, mask, out);
-    }
-  });
-  return out.transpose(1, 2);
+  switch (q.scalar_type()) {  // the model dtypes
+    case at::kFloat: return dispatch_mask<float>(boolean, q, keys, values, mask, out);
+    case at::kBFloat16: return dispatch_mask<at::BFloat16>(boolean, q, keys, values, mask, out);
+    case at::kHalf: return dispatch_mask<at::Half>(boolean, q, keys, values, mask, out);
+    default: TORCH_CHECK(false, "decode_attention: float32, bfloat16 or float16, not ", q.scalar_type());
+  }
 }
 
 }  // namespace
 
-TORCH_LIBRARY(flexdraft, m) {
+TORCH_LIBRARY_FRAGMENT(flexdraft, m) {
   m.def("decode_attention(Tensor q, Tensor keys, Tensor values, Tensor mask) -> Tensor");
 }
 
