@@ -1,5 +1,6 @@
 """The README and docs/ say only what this repository can do: every `flexdraft` command they show parses with the
 real CLI parser, every repository path they name or link exists, and none points outside the repository."""
+import json
 import re
 import shlex
 from pathlib import Path
@@ -123,7 +124,7 @@ def span(values: list[str]) -> str:
 
 DEMO, DEMO_RUN = RESULTS / "2026-12-02-demo" / "results.md", RESULTS / "2026-12-02-demo" / "README.md"
 PEERS = RESULTS / "2026-12-06-peers"
-XEON = RESULTS / "2026-12-06-xeon"
+KERNELS = RESULTS / "2026-12-06-kernels"
 SERVE, HTTP = RESULTS / "2026-12-04-serve" / "README.md", RESULTS / "2026-12-05-http" / "README.md"
 HEADLINE_ROWS = {  # the README's headline table row -> the harness's method
     "`transformers` `generate` (same weights)": "hf-generate", "`transformers` prompt lookup": "hf-prompt-lookup",
@@ -140,7 +141,9 @@ def readme_figures() -> list[tuple[str, tuple, tuple]]:
     demo = summary(DEMO, "**Speed-up over our AR, mean over the datasets**")
     fp32 = summary(PEERS / "fp32" / "results.md", "**Speed-up over our AR, mean over the datasets**")
     vs_peer = {dt: summary(PEERS / dt / "results.md", "**Speed-up over the best peer") for dt in ("bf16", "fp32")}
-    xeon = [summary(XEON / run / "results.md", "**Speed-up over the best peer") for run in ("before-bf16", "bf16")]
+    xeon = summary(KERNELS / "peers-bf16" / "results.md", "**Speed-up over the best peer")
+    paired = {dt: [f"{r['speedup']:.2f}x" for run in runs for r in json.loads((KERNELS / run).read_text())["generations"]]
+              for dt, runs in (("bf16", ("ab-bfloat16.json", "ab-bfloat16-run2.json")), ("fp32", ("ab-float32.json",)))}
     served = table(SERVE, "concurrency", "learned / AR")
     http = table(HTTP, "concurrency", "learned / AR")
     shares = {(r["mode"], r["side"]): r["share of offline"] for r in table(HTTP, "mode", "side", "tok/s")}
@@ -160,12 +163,13 @@ def readme_figures() -> list[tuple[str, tuple, tuple]]:
          tuple(map(str, mismatched(PEERS / "fp32" / "results.md", "adaptive")))),
         ("fp32 speed-ups", said(r"adaptive gave ([\d.]+x?) / ([\d.]+x?) at batch 1 / 16 against a ([\d.]+x?) / ([\d.]+x?) control"),
          (*fp32["adaptive"], *fp32["ar-control"])),
-        ("beside vLLM", said(r"Our AR is ([\d.]+x?) / ([\d.]+x?) \(bf16\) and ([\d.]+x?) / ([\d.]+x?) \(fp32\) of vLLM's best mode at batch 1 / 16,"
+        ("beside vLLM", said(r"our AR is ([\d.]+x?) / ([\d.]+x?) \(bf16\) and ([\d.]+x?) / ([\d.]+x?) \(fp32\) of vLLM's best mode at batch 1 / 16,"
                              r" adaptive ([\d.]+x?) / ([\d.]+x?) and ([\d.]+x?) / ([\d.]+x?)"),
          (*vs_peer["bf16"]["ar"], *vs_peer["fp32"]["ar"], *vs_peer["bf16"]["adaptive"], *vs_peer["fp32"]["adaptive"])),
-        ("beside vLLM on the Xeon", said(r"On the Intel Xeon with AMX \(bf16, two runs\): our AR ([\d.]+-[\d.]+)x / "
-                                         r"([\d.]+-[\d.]+)x, adaptive ([\d.]+-[\d.]+)x / ([\d.]+-[\d.]+)x"),
-         tuple(span([run[m][b] for run in xeon]) for m in ("ar", "adaptive") for b in (0, 1))),
+        ("beside vLLM on the Xeon", said(r"On the Intel Xeon with AMX \(bf16, C\+\+ kernels\): our AR ([\d.]+x) / ([\d.]+x), "
+                                         r"adaptive ([\d.]+x) / ([\d.]+x)"), (*xeon["ar"], *xeon["adaptive"])),
+        ("the C++ kernels, paired", said(r"the kernels alone, paired: ([\d.]+-[\d.]+)x tok/s in bf16, ([\d.]+-[\d.]+)x in fp32"),
+         (span(paired["bf16"]), span(paired["fp32"]))),
         ("served, 2026-12-04", said(r"gave ([\d.]+x) at concurrency 1 and ([\d.]+-[\d.]+)x at 2-16, where AR against itself moved ([\d.]+-[\d.]+)x"),
          (served[0]["learned / AR"], span([r["learned / AR"] for r in served[1:]]),
           span([r["ar2 / AR (noise)"] for r in served[1:]]))),
@@ -183,7 +187,7 @@ def test_each_readme_figure_equals_its_results_file():
     wrong = [f"{claim}: the README says {readme}, its results file {source}"
              for claim, readme, source in figures if readme != source]
     assert not wrong, "\n".join(wrong)
-    assert len(figures) == 12
+    assert len(figures) == 13
 
 
 def test_config_paths_in_documented_commands_exist():

@@ -4,7 +4,8 @@ model, paired in one process:
 
 1. whole target forwards per shape (rows x tokens over S cached tokens), the two forms alternating, median of each;
 2. whole generations of the engine (16 GSM8K prompts, greedy, 64 new tokens) in AR and adaptive at batch 1 and 16,
-   alternating: tokens/s of each and how many of the 16 outputs are the same token for token.
+   alternating: tokens/s of each and how many of the 16 outputs are the same token for token; in bf16, also how
+   many of each form's outputs equal fp32 AR's (the reference the two roundings approximate).
 
     python benchmarks/2026-12-06-kernels/ab.py --dtype bfloat16 --drafter ~/.flexdraft/pipelines/smollm2-demo/drafter
 """
@@ -59,7 +60,12 @@ def forwards(runtime: RuntimeConfig, reps: int) -> list[dict]:
 
 
 def generations(runtime: RuntimeConfig, drafter: str, pairs: int) -> list[dict]:
-    rows = []
+    rows, reference = [], {}
+    if runtime.dtype != "float32":
+        lm, engine, *_ = load_engine("smollm2", RuntimeConfig(device="cpu", dtype="float32", threads=2), None,
+                                     EngineConfig(mode="ar", max_batch=16, max_len=640), store_spec="none")
+        prompts = [p.ids for p in bench_prompts("gsm8k", lm.tokenizer, 16, seed=0)]
+        reference = [g.token_ids for g in engine.generate(prompts, SamplingParams(max_new_tokens=64))]
     for mode in ("ar", "adaptive"):
         for batch in (1, 16):
             lm, engine, *_ = load_engine("smollm2", runtime, drafter, EngineConfig(mode=mode, max_batch=batch,
@@ -79,6 +85,9 @@ def generations(runtime: RuntimeConfig, drafter: str, pairs: int) -> list[dict]:
             same = sum(x == y for x, y in zip(outs["pytorch"], outs["kernel"]))
             rows.append({"mode": mode, "batch": batch, "pytorch_tok_s": a, "kernel_tok_s": b, "speedup": b / a,
                          "same_outputs": same})
+            if reference:
+                for form in outs:
+                    rows[-1][f"{form}_equal_fp32"] = sum(x == y for x, y in zip(outs[form], reference))
             print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -102,11 +111,12 @@ def main() -> None:
         print(f"| {r['rows']} x {r['tokens']}, {r['cached']} | {r['pytorch_ms']:.1f} | {r['kernel_ms']:.1f} | "
               f"{r['ratio']:.2f} |")
     print(f"\ngenerations: 16 GSM8K prompts, 64 new tokens, median of {args.pairs} alternating pairs\n")
-    print("| mode, batch | PyTorch ops tok/s | C++ kernels tok/s | speed-up | same outputs |")
-    print("|---|---|---|---|---|")
+    print("| mode, batch | PyTorch ops tok/s | C++ kernels tok/s | speed-up | same outputs | equal to fp32 AR's |")
+    print("|---|---|---|---|---|---|")
     for r in gen:
+        fp32 = f"{r['pytorch_equal_fp32']} / {r['kernel_equal_fp32']}" if "kernel_equal_fp32" in r else "-"
         print(f"| {r['mode']}, {r['batch']} | {r['pytorch_tok_s']:.1f} | {r['kernel_tok_s']:.1f} | "
-              f"{r['speedup']:.2f}x | {r['same_outputs']}/16 |")
+              f"{r['speedup']:.2f}x | {r['same_outputs']}/16 | {fp32} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"dtype": args.dtype, "forwards": fw, "generations": gen}, f, indent=1)

@@ -3,6 +3,8 @@ model hands it, in fp32 and with a single rounding in bf16, and is taken exactly
 the fused elementwise ops compute what the PyTorch ops they replace compute, bitwise in bf16, and the model with
 them what it computes without; where they cannot be built or are turned off, the model runs on PyTorch's ops."""
 import json
+import os
+import shutil
 import subprocess
 import sys
 
@@ -12,12 +14,25 @@ import torch.nn.functional as F
 
 from conftest import REPO, make_tiny_hf
 from flexdraft.core.config import RuntimeConfig
+from flexdraft.core.hardware import probe
 from flexdraft.models import kernels
 from flexdraft.models.attention import attend, grouped_bias, grouped_mask
 from flexdraft.models.loading import load_model
 from flexdraft.models.transformer import apply_rope
 
-pytestmark = pytest.mark.skipif(not kernels.load(), reason="no C++ kernels on this machine")
+# the kernels need a C++ compiler and AVX2 or AVX-512; on such a machine a failed build fails this file's first test
+BUILDABLE = bool(shutil.which(os.environ.get("CXX", "c++"))) and probe().cpu_isa in ("AVX512", "AVX2")
+pytestmark = pytest.mark.skipif(not BUILDABLE, reason="no C++ compiler, or a CPU without AVX2")
+
+
+def test_the_kernels_build_here():
+    assert kernels.load(), "the C++ kernels did not build: see the [runtime] warning above"
+
+
+@pytest.fixture(autouse=True)
+def built():
+    """Each test runs with the kernels loaded (alone, too: `pytest -k`)."""
+    kernels.load()
 
 
 def case(B, H, Hkv, T, S, D, dtype, seed=0):
@@ -106,6 +121,21 @@ def test_fused_ops_compute_what_the_pytorch_ops_compute(dtype, d, D):
         ops.write_kv(cache_k, cache_v, slots + 5, k, v)
 
 
+@pytest.mark.skipif(not kernels.has_gemv_bf16(probe().cpu_isa), reason="a CPU without AVX512-BF16")
+def test_gemv_bf16_is_the_linear_rounded_once():
+    """One bf16 row through a weight of any shape (outputs and inputs not in whole blocks, with and without bias):
+    F.linear computed in fp32 over the same bf16 values, rounded once to bf16."""
+    g = torch.Generator().manual_seed(0)
+    for n, k in ((37, 50), (576, 576), (96, 1536)):
+        w, b = torch.randn(n, k, generator=g).bfloat16(), torch.randn(n, generator=g).bfloat16()
+        x = torch.randn(1, 1, k, generator=g).bfloat16()
+        for bias in (None, b):
+            want = F.linear(x.float(), w.float(), None if bias is None else bias.float())
+            got = torch.ops.flexdraft.gemv_bf16(x, w, bias)
+            assert got.shape == (1, 1, n) and got.dtype == torch.bfloat16
+            assert ((got.float() - want).abs() <= want.abs() * 2 ** -8 + 1e-3).all()  # + fp32 summation order
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_model_computes_the_same_with_the_kernels_and_without(tmp_path, monkeypatch, dtype):
     """A tiny Llama's prefill and cached decode steps (ragged rows) through every kernel equal the same model on
@@ -159,7 +189,7 @@ def test_kernels_build_per_isa_or_fall_back(tmp_path, env, loaded):
     without a compiler the build fails with one warning line, not a traceback, and attention runs on SDPA; so it does
     with FLEXDRAFT_CPU_KERNELS=0."""
     run = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300, cwd=REPO,
-                         env={**__import__("os").environ, "XDG_CACHE_HOME": str(tmp_path), **env})
+                         env={**os.environ, "XDG_CACHE_HOME": str(tmp_path), **env})
     assert run.returncode == 0, run.stderr[-2000:]
     result = json.loads(run.stdout.splitlines()[-1])
     assert result["loaded"] is loaded and result["diff"] < 1e-5

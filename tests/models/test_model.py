@@ -165,8 +165,9 @@ def test_a_conversion_without_architectures_gets_its_class_named(tmp_path, arch,
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_every_one_row_path_computes_the_linear(dtype):
-    """Whichever way `one_row_path` picks on a CPU (packed as is, as two rows, or F.linear), a single row's output
-    is F.linear's up to summation order, and so are several rows' (always through the packed GEMM)."""
+    """Whichever way `one_row_path` picks on a CPU (packed as is, as two rows, F.linear, or our bf16 GEMV where the CPU
+    has one), a single row's output is F.linear's up to summation order, and so are several rows' (always through the
+    packed GEMM)."""
     from flexdraft.core.hardware import probe
     from flexdraft.models.transformer import ONE_ROW_PATHS, Linear, one_row_path
 

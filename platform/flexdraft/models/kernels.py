@@ -1,4 +1,5 @@
-"""The C++ CPU kernels in csrc/ (torch.ops.flexdraft.*), built once per machine and cached, and whether to use them.
+"""The C++ CPU kernels in csrc/ (torch.ops.flexdraft.*), built once per machine and cached, and whether to use them:
+the decode attention, the fused elementwise ops and, on CPUs with AVX512-BF16, the one-row bf16 GEMV.
 
 Built with torch.utils.cpp_extension for the instruction set torch dispatches to here (`probe().cpu_isa`: AVX512 or
 AVX2, with ATen's vector types at that level) into ~/.cache/flexdraft/kernels/<a hash of the source, torch's version
@@ -18,9 +19,9 @@ from pathlib import Path
 import torch
 
 from flexdraft.core import logs
-from flexdraft.core.hardware import probe
+from flexdraft.core.hardware import cpuinfo, probe
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("decode_attention.cpp", "fused_ops.cpp")]
+CSRC = Path(__file__).parent / "csrc"
 # ATen's vector types compile to the level named by CPU_CAPABILITY; these are the flags PyTorch builds its own at
 _ISA_FLAGS = {
     "AVX512": ["-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl",
@@ -39,11 +40,27 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "flexdraft" / "kernels"
 
 
+@functools.cache
+def has_gemv_bf16(isa: str) -> bool:
+    """gemv_bf16 needs AVX512-BF16's dot products (Intel from Cooper Lake, AMD from Zen 4)."""
+    return isa == "AVX512" and "avx512_bf16" in cpuinfo("flags").split()
+
+
+def build_plan(isa: str) -> tuple[list[Path], list[str]]:
+    """The sources and compiler flags of this CPU's build."""
+    sources, flags = [CSRC / "decode_attention.cpp", CSRC / "fused_ops.cpp"], list(_ISA_FLAGS[isa])
+    if has_gemv_bf16(isa):
+        sources.append(CSRC / "gemv_bf16.cpp")
+        flags.append("-mavx512bf16")
+    return sources, flags
+
+
 def build_id(isa: str) -> str:
+    sources, flags = build_plan(isa)
     h = hashlib.sha256()
-    for src in SOURCES:
+    for src in sources:
         h.update(src.read_bytes())
-    h.update(f"{torch.__version__} {isa} {' '.join(_ISA_FLAGS[isa])}".encode())
+    h.update(f"{torch.__version__} {isa} {' '.join(flags)}".encode())
     return h.hexdigest()[:12]
 
 
@@ -59,7 +76,11 @@ def load() -> bool:
         return False
     from torch.utils import cpp_extension  # imported here: it pulls in setuptools
 
-    ident = build_id(isa)
+    try:
+        ident = build_id(isa)
+    except OSError as e:  # an install without the sources
+        log.warning("flexdraft's C++ CPU kernels could not be built (%s): attention runs on PyTorch's ops", e)
+        return False
     folder = cache_dir() / ident
     folder.mkdir(parents=True, exist_ok=True)
     fresh = not any(folder.glob("*.so"))
@@ -67,8 +88,10 @@ def load() -> bool:
         log.info("building flexdraft's C++ CPU kernels for %s into %s (once per machine, ~10 s)", isa, folder)
     start = time.perf_counter()
     try:
-        cpp_extension.load(name=f"flexdraft_cpu_{ident}", sources=[str(s) for s in SOURCES],
-                           build_directory=str(folder), extra_cflags=["-O3", "-std=c++17", "-ffp-contract=off", "-fopenmp", *_ISA_FLAGS[isa]],
+        sources, flags = build_plan(isa)
+        cpp_extension.load(name=f"flexdraft_cpu_{ident}", sources=[str(s) for s in sources],
+                           build_directory=str(folder),
+                           extra_cflags=["-O3", "-std=c++17", "-ffp-contract=off", "-fopenmp", *flags],
                            extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except (RuntimeError, OSError, ImportError) as e:  # no compiler, no ninja, a failed build
         lines = str(e).strip().splitlines() or [type(e).__name__]
@@ -81,9 +104,9 @@ def load() -> bool:
 
 
 def use_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
-    """Whether `attend` takes decode_attention for q [B, H, T, D] over keys/values [B, Hkv, S, D]: inference on CPU, a few
-    query rows per key/value head, a head_dim in whole vectors, and the kernels loaded (FLEXDRAFT_CPU_KERNELS=0 turns
-    them off)."""
+    """Whether `attend` takes decode_attention for q [B, H, T, D] over keys/values [B, Hkv, S, D]: inference on CPU,
+    a few query rows per key/value head, a head_dim in whole vectors, and the kernels loaded (FLEXDRAFT_CPU_KERNELS=0
+    turns them off)."""
     rows, D = q.shape[1] // keys.shape[1] * q.shape[2], q.shape[-1]
     return (q.device.type == "cpu" and rows <= (SINGLE_MAX_ROWS if q.shape[0] == 1 else DECODE_MAX_ROWS)
             and D % 16 == 0 and D <= 128  # whole vectors of 16 (AVX-512) or 8 (AVX2) floats, at most 16 of them
@@ -97,6 +120,11 @@ def fused(*tensors: torch.Tensor) -> bool:
     t = tensors[0]
     return (t.device.type == "cpu" and t.dtype in (torch.float32, torch.bfloat16, torch.float16)
             and not (torch.is_grad_enabled() and any(x.requires_grad for x in tensors)) and load())
+
+
+def gemv_available() -> bool:
+    """Whether one bf16 row can go through a linear layer on gemv_bf16 (`Linear`'s one-row path "gemv")."""
+    return has_gemv_bf16(probe().cpu_isa) and load()
 
 
 def main() -> None:

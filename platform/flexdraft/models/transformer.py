@@ -138,11 +138,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
-ONE_ROW_PATHS = ("packed", "pair", "linear")
+ONE_ROW_PATHS = ("packed", "pair", "linear", "gemv")
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, one_row: str) -> torch.Tensor:
-    """x [..., in] through a oneDNN-prepacked weight; a single row as `one_row` says (`one_row_path`)."""
+    """x [..., in] through a oneDNN-prepacked weight; a single row as `one_row` says (`one_row_path`; "gemv" is
+    `Linear`'s to take, on the unpacked weight)."""
     if x.numel() == x.shape[-1] and one_row == "pair":  # two rows, then keep the first
         x2 = x.reshape(1, -1)
         y = torch.ops.mkldnn._linear_pointwise(torch.cat((x2, x2)), packed, bias, "none", [], "")
@@ -150,24 +151,28 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-_ONE_ROW_CHOICE: dict[tuple, str] = {}
+_ONE_ROW_TIMES: dict[tuple, dict[str, float]] = {}
 
 
-def one_row_path(dtype: torch.dtype) -> str:
+def one_row_path(dtype: torch.dtype, with_kernels: bool = True) -> str:
     """How a single row (batch-1 decode) runs fastest through a prepacked weight on this CPU in `dtype`: "packed"
-    (as it is), "pair" (as two rows, then keep the first) or "linear" (plain F.linear on the unpacked weight).
+    (as it is), "pair" (as two rows, then keep the first), "linear" (plain F.linear on the unpacked weight) or, in
+    bf16 on CPUs with AVX512-BF16, "gemv" (our C++ `gemv_bf16` on the unpacked weight, `kernels`).
     Timed once per process, dtype and thread count (best of 3 passes over 12 weights of a decoder's widest
     shape, 42-85 MB, so that weights stream from memory as in a forward; ~0.1 s): which wins differs by CPU (a
     one-row packed bf16 GEMM was pathologically slow on one AMX Xeon, while an AVX512-BF16 EPYC runs fp32 one-row
-    decode 1.5x faster packed than through F.linear)."""
+    decode 1.5x faster packed than through F.linear). with_kernels=False: the fastest of the PyTorch paths (where
+    "gemv" won, what a row takes when the kernels are off)."""
     key = (dtype, torch.get_num_threads())
-    if key not in _ONE_ROW_CHOICE:
+    if key not in _ONE_ROW_TIMES:
         weights = [torch.full((3072, 576), 0.01, dtype=dtype) for _ in range(12)]  # (values do not change speed)
         packs = [torch.ops.mkldnn._reorder_linear_weight(w, 16) for w in weights]
         x = torch.ones(1, 576, dtype=dtype)
         runs = {"packed": lambda: [packed_linear(x, p, None, "packed") for p in packs],
                 "pair": lambda: [packed_linear(x, p, None, "pair") for p in packs],
                 "linear": lambda: [F.linear(x, w) for w in weights]}
+        if dtype == torch.bfloat16 and kernels.gemv_available():
+            runs["gemv"] = lambda: [torch.ops.flexdraft.gemv_bf16(x, w, None) for w in weights]
         best = {}
         with torch.inference_mode():
             for name, fn in runs.items():
@@ -178,8 +183,9 @@ def one_row_path(dtype: torch.dtype) -> str:
                     fn()
                     times.append(time.perf_counter() - t)
                 best[name] = min(times)
-        _ONE_ROW_CHOICE[key] = min(best, key=best.get)
-    return _ONE_ROW_CHOICE[key]
+        _ONE_ROW_TIMES[key] = best
+    best = {k: t for k, t in _ONE_ROW_TIMES[key].items() if with_kernels or k != "gemv"}
+    return min(best, key=best.get)
 
 
 class Linear(nn.Linear):
@@ -201,6 +207,12 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None or (self.one_row == "linear" and x.numel() == x.shape[-1]):
             return F.linear(x, self.weight, self.bias)
+        if self.one_row == "gemv" and x.numel() == x.shape[-1]:
+            if x.dtype == torch.bfloat16 and x.is_contiguous() and kernels.fused(x) and kernels.gemv_available():
+                return torch.ops.flexdraft.gemv_bf16(x, self.weight, self.bias)
+            if one_row_path(x.dtype, with_kernels=False) == "linear":  # the kernels off: the fastest other path
+                return F.linear(x, self.weight, self.bias)
+            return packed_linear(x, self.packed, self.bias, one_row_path(x.dtype, with_kernels=False))
         return packed_linear(x, self.packed, self.bias, self.one_row)
 
     @staticmethod

@@ -1,0 +1,84 @@
+// One row through a linear layer in bf16 with AVX512-BF16 dot products: torch.ops.flexdraft.gemv_bf16(x, w, bias),
+// x [1, K] or [K] (any leading dims of one row), w [N, K] row-major (the layer's own weight), bias [N] or None ->
+// [..., N]: fp32 sums of bf16 products, bias added in fp32, one rounding. Built only for CPUs with AVX512-BF16
+// (kernels.py compiles this file with -mavx512bf16 there).
+//
+// Why: a batch-1 decode step is the weights streaming through once; oneDNN's one-row GEMMs reached ~0.7 of this
+// CPU's read bandwidth. Each block of 16 outputs streams 16 weight rows side by side into 16 accumulators, reduced
+// by one transpose-add tree; the two threads take the two halves of the rows.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <optional>
+
+namespace {
+
+// 16 vectors of 16 partial sums -> one vector whose lane j is the sum of a[j]'s lanes
+inline __m512 reduce16(const __m512 (&a)[16]) {
+  __m512 b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i)  // per 128-bit group: (a2i_0+a2i_1, a2i+1_0+a2i+1_1, a2i_2+a2i_3, a2i+1_2+a2i+1_3)
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit group: the group's partial sums of outputs 4i .. 4i+3
+    const __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
+    c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  for (int i = 0; i < 2; ++i)  // groups 0+2 and 1+3 of c[2i], then of c[2i+1]
+    d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], 0x88), _mm512_shuffle_f32x4(d[0], d[1], 0xDD));
+}
+
+at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 &&
+                  x.is_contiguous() && w.is_contiguous() && w.dim() == 2,
+              "gemv_bf16: bf16 CPU tensors, x one contiguous row, w [N, K] contiguous");
+  const int64_t N = w.size(0), K = w.size(1);
+  TORCH_CHECK(x.numel() == K, "gemv_bf16: one row of ", K, " features, got ", x.sizes());
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias)
+    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == N,
+                "gemv_bf16: bias [N] in bf16");
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N;
+  at::Tensor y = at::empty(shape, x.options());
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
+  const auto* bp = has_bias ? reinterpret_cast<const uint16_t*>(bias->data_ptr()) : nullptr;
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  const int64_t tail = K % 32;
+  const __mmask32 tail_mask = static_cast<__mmask32>((1ULL << tail) - 1);
+  at::parallel_for(0, (N + 15) / 16, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const int64_t n0 = blk * 16, rows = std::min<int64_t>(16, N - n0);
+      __m512 acc[16];
+      for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
+      int64_t k = 0;
+      for (; k + 32 <= K; k += 32) {
+        const __m512bh xv = (__m512bh)_mm512_loadu_si512(xp + k);
+        for (int j = 0; j < rows; ++j)
+          acc[j] = _mm512_dpbf16_ps(acc[j], xv, (__m512bh)_mm512_loadu_si512(wp + (n0 + j) * K + k));
+      }
+      if (tail) {  // masked loads: the lanes past K are zeros
+        const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(tail_mask, xp + k);
+        for (int j = 0; j < rows; ++j)
+          acc[j] = _mm512_dpbf16_ps(acc[j], xv, (__m512bh)_mm512_maskz_loadu_epi16(tail_mask, wp + (n0 + j) * K + k));
+      }
+      __m512 s = reduce16(acc);
+      const __mmask16 out_mask = static_cast<__mmask16>((1u << rows) - 1);
+      if (bp) {  // bf16 -> fp32 is a 16-bit shift
+        const __m256i b16 = _mm256_maskz_loadu_epi16(out_mask, bp + n0);
+        s = _mm512_add_ps(s, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b16), 16)));
+      }
+      _mm256_mask_storeu_epi16(yp + n0, out_mask, (__m256i)_mm512_cvtneps_pbh(s));
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(flexdraft, m) { m.def("gemv_bf16(Tensor x, Tensor w, Tensor? bias) -> Tensor"); }
+
+TORCH_LIBRARY_IMPL(flexdraft, CPU, m) { m.impl("gemv_bf16", &gemv_bf16); }
