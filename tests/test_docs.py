@@ -143,7 +143,8 @@ def readme_figures() -> list[tuple[str, tuple, tuple]]:
     vs_peer = {dt: summary(PEERS / dt / "results.md", "**Speed-up over the best peer") for dt in ("bf16", "fp32")}
     xeon = summary(KERNELS / "peers-bf16" / "results.md", "**Speed-up over the best peer")
     paired = {dt: [f"{r['speedup']:.2f}x" for run in runs for r in json.loads((KERNELS / run).read_text())["generations"]]
-              for dt, runs in (("bf16", ("ab-bfloat16.json", "ab-bfloat16-run2.json")), ("fp32", ("ab-float32.json",)))}
+              for dt, runs in (("bf16", ("ab-bfloat16.json", "ab-bfloat16-run2.json", "ab-bfloat16-run3.json")),
+                               ("fp32", ("ab-float32.json",)))}
     served = table(SERVE, "concurrency", "learned / AR")
     http = table(HTTP, "concurrency", "learned / AR")
     shares = {(r["mode"], r["side"]): r["share of offline"] for r in table(HTTP, "mode", "side", "tok/s")}

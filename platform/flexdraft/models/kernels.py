@@ -123,8 +123,10 @@ def fused(*tensors: torch.Tensor) -> bool:
 
 
 def gemv_available() -> bool:
-    """Whether one bf16 row can go through a linear layer on gemv_bf16 (`Linear`'s one-row path "gemv")."""
-    return has_gemv_bf16(probe().cpu_isa) and load()
+    """Whether one bf16 row can go through a linear layer on gemv_bf16 (`Linear`'s one-row path "gemv").
+    FLEXDRAFT_CPU_GEMV=0 leaves single rows on oneDNN, as several rows are: in bf16 the GEMV rounds a batch-1 AR
+    step's sums differently from a verify's GEMM, so more rows leave AR's path at near-ties (fp32 never takes it)."""
+    return os.environ.get("FLEXDRAFT_CPU_GEMV", "1") != "0" and has_gemv_bf16(probe().cpu_isa) and load()
 
 
 def main() -> None:

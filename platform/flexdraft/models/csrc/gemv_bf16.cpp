@@ -33,9 +33,10 @@ inline __m512 reduce16(const __m512 (&a)[16]) {
 at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 &&
                   x.is_contiguous() && w.is_contiguous() && w.dim() == 2,
-              "gemv_bf16: bf16 CPU tensors, x one contiguous row, w [N, K] contiguous");
+              "gemv_bf16: bf16 CPU tensors, x [..., K] contiguous, w [N, K] contiguous");
   const int64_t N = w.size(0), K = w.size(1);
-  TORCH_CHECK(x.numel() == K, "gemv_bf16: one row of ", K, " features, got ", x.sizes());
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K, "gemv_bf16: rows of ", K, " features, got ", x.sizes());
+  const int64_t M = x.numel() / K;
   const bool has_bias = bias.has_value() && bias->defined();
   if (has_bias)
     TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == N,
@@ -52,26 +53,32 @@ at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& w, const std::option
   at::parallel_for(0, (N + 15) / 16, 1, [&](int64_t begin, int64_t end) {
     for (int64_t blk = begin; blk < end; ++blk) {
       const int64_t n0 = blk * 16, rows = std::min<int64_t>(16, N - n0);
-      __m512 acc[16];
-      for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
-      int64_t k = 0;
-      for (; k + 32 <= K; k += 32) {
-        const __m512bh xv = (__m512bh)_mm512_loadu_si512(xp + k);
-        for (int j = 0; j < rows; ++j)
-          acc[j] = _mm512_dpbf16_ps(acc[j], xv, (__m512bh)_mm512_loadu_si512(wp + (n0 + j) * K + k));
-      }
-      if (tail) {  // masked loads: the lanes past K are zeros
-        const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(tail_mask, xp + k);
-        for (int j = 0; j < rows; ++j)
-          acc[j] = _mm512_dpbf16_ps(acc[j], xv, (__m512bh)_mm512_maskz_loadu_epi16(tail_mask, wp + (n0 + j) * K + k));
-      }
-      __m512 s = reduce16(acc);
       const __mmask16 out_mask = static_cast<__mmask16>((1u << rows) - 1);
-      if (bp) {  // bf16 -> fp32 is a 16-bit shift
-        const __m256i b16 = _mm256_maskz_loadu_epi16(out_mask, bp + n0);
-        s = _mm512_add_ps(s, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b16), 16)));
+      // every row alike, the block's 16 weight rows read from cache after the first: a row's result does not
+      // depend on how many rows come with it
+      for (int64_t m = 0; m < M; ++m) {
+        const uint16_t* xr = xp + m * K;
+        __m512 acc[16];
+        for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
+        int64_t k = 0;
+        for (; k + 32 <= K; k += 32) {
+          const __m512bh xv = (__m512bh)_mm512_loadu_si512(xr + k);
+          for (int j = 0; j < rows; ++j)
+            acc[j] = _mm512_dpbf16_ps(acc[j], xv, (__m512bh)_mm512_loadu_si512(wp + (n0 + j) * K + k));
+        }
+        if (tail) {  // masked loads: the lanes past K are zeros
+          const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(tail_mask, xr + k);
+          for (int j = 0; j < rows; ++j)
+            acc[j] = _mm512_dpbf16_ps(acc[j], xv,
+                                      (__m512bh)_mm512_maskz_loadu_epi16(tail_mask, wp + (n0 + j) * K + k));
+        }
+        __m512 s = reduce16(acc);
+        if (bp) {  // bf16 -> fp32 is a 16-bit shift
+          const __m256i b16 = _mm256_maskz_loadu_epi16(out_mask, bp + n0);
+          s = _mm512_add_ps(s, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b16), 16)));
+        }
+        _mm256_mask_storeu_epi16(yp + m * N + n0, out_mask, (__m256i)_mm512_cvtneps_pbh(s));
       }
-      _mm256_mask_storeu_epi16(yp + n0, out_mask, (__m256i)_mm512_cvtneps_pbh(s));
     }
   });
   return y;
