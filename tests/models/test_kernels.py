@@ -124,7 +124,7 @@ def test_fused_ops_compute_what_the_pytorch_ops_compute(dtype, d, D):
 @pytest.mark.skipif(not kernels.has_gemv_bf16(probe().cpu_isa), reason="a CPU without AVX512-BF16")
 def test_gemv_bf16_is_the_linear_rounded_once():
     """One bf16 row through a weight of any shape (outputs and inputs not in whole blocks, with and without bias):
-    F.linear computed in fp32 over the same bf16 values, rounded once to bf16."""
+    F.linear computed in fp32 over the same bf16 values, rounded once to bf16; several rows, each as it is alone."""
     g = torch.Generator().manual_seed(0)
     for n, k in ((37, 50), (576, 576), (96, 1536)):
         w, b = torch.randn(n, k, generator=g).bfloat16(), torch.randn(n, generator=g).bfloat16()
@@ -134,6 +134,10 @@ def test_gemv_bf16_is_the_linear_rounded_once():
             got = torch.ops.flexdraft.gemv_bf16(x, w, bias)
             assert got.shape == (1, 1, n) and got.dtype == torch.bfloat16
             assert ((got.float() - want).abs() <= want.abs() * 2 ** -8 + 1e-3).all()  # + fp32 summation order
+    rows = torch.randn(5, 96, generator=g).bfloat16()  # several rows: each computed as it is alone, bitwise
+    w = torch.randn(40, 96, generator=g).bfloat16()
+    alone = torch.cat([torch.ops.flexdraft.gemv_bf16(row[None], w, None) for row in rows])
+    assert torch.equal(torch.ops.flexdraft.gemv_bf16(rows, w, None), alone)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
