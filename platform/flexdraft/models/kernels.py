@@ -2,17 +2,21 @@
 the decode attention, the fused elementwise ops and, on CPUs with AVX512-BF16, the one-row bf16 GEMV.
 
 Built with torch.utils.cpp_extension for the instruction set torch dispatches to here (`probe().cpu_isa`: AVX512 or
-AVX2, with ATen's vector types at that level) into ~/.cache/flexdraft/kernels/<a hash of the source, torch's version
-and that level>, so a cache shared between machines never hands one CPU another's build. `make` builds them at
-set-up (`python -m flexdraft.models.kernels`); elsewhere the first attention on CPU does (~10 s, logged).
-Where they cannot be built (no C++ compiler, another ISA) or FLEXDRAFT_CPU_KERNELS=0, the model runs its PyTorch
-ops instead, with a one-line warning; CUDA tensors never reach them.
+AVX2, with ATen's vector types at that level) into $FLEXDRAFT_KERNELS_DIR or ~/.cache/flexdraft/kernels, in a folder
+named by a hash of the sources, torch's version and the flags, so a cache shared between machines never hands one
+CPU another's build; a build found there is loaded as it is (no compiler needed). `make` builds this CPU's at set-up
+(`python -m flexdraft.models.kernels`; `--all`: every variant, for an image whose nodes differ); elsewhere the first
+forward on CPU does (~10-20 s, logged). Where they cannot be built (no C++ compiler, another ISA) or
+FLEXDRAFT_CPU_KERNELS=0, the model runs its PyTorch ops instead, with a one-line warning; CUDA tensors never reach
+them.
 """
 from __future__ import annotations
 
 import functools
 import hashlib
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -36,7 +40,10 @@ DECODE_MAX_ROWS, SINGLE_MAX_ROWS = 16, 64
 
 
 def cache_dir() -> Path:
-    """Per machine, not per FLEXDRAFT_HOME (which jobs and tests vary): the user's cache, as torch's own extensions"""
+    """$FLEXDRAFT_KERNELS_DIR, else per machine, not per FLEXDRAFT_HOME (which jobs and tests vary): the user's cache,
+    as torch's own extensions."""
+    if os.environ.get("FLEXDRAFT_KERNELS_DIR"):
+        return Path(os.environ["FLEXDRAFT_KERNELS_DIR"]).expanduser()
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "flexdraft" / "kernels"
 
 
@@ -46,27 +53,53 @@ def has_gemv_bf16(isa: str) -> bool:
     return isa == "AVX512" and "avx512_bf16" in cpuinfo("flags").split()
 
 
-def build_plan(isa: str) -> tuple[list[Path], list[str]]:
-    """The sources and compiler flags of this CPU's build."""
+VARIANTS = [("AVX2", False), ("AVX512", False), ("AVX512", True)]  # (ISA, with the bf16 GEMV)
+
+
+def build_plan(isa: str, gemv: bool) -> tuple[list[Path], list[str]]:
+    """The sources and compiler flags of one variant."""
     sources, flags = [CSRC / "decode_attention.cpp", CSRC / "fused_ops.cpp"], list(_ISA_FLAGS[isa])
-    if has_gemv_bf16(isa):
+    if gemv:
         sources.append(CSRC / "gemv_bf16.cpp")
         flags.append("-mavx512bf16")
     return sources, flags
 
 
-def build_id(isa: str) -> str:
-    sources, flags = build_plan(isa)
+def build_id(isa: str, gemv: bool) -> str:
+    sources, flags = build_plan(isa, gemv)
     h = hashlib.sha256()
-    for src in sources:
+    for src in [*sources, *sorted(CSRC.glob("*.h"))]:
         h.update(src.read_bytes())
     h.update(f"{torch.__version__} {isa} {' '.join(flags)}".encode())
     return h.hexdigest()[:12]
 
 
+def build(isa: str, gemv: bool) -> Path:
+    """The variant's shared library, built into cache_dir() unless it is there; raises where it cannot be built."""
+    from torch.utils import cpp_extension  # imported here: it pulls in setuptools
+
+    ident = build_id(isa, gemv)
+    folder = cache_dir() / ident
+    library = folder / f"flexdraft_cpu_{ident}.so"
+    if library.is_file() and not (folder / "lock").exists():  # (cpp_extension's lock: a build under way)
+        return library
+    folder.mkdir(parents=True, exist_ok=True)
+    log = logs.get("runtime")
+    log.info("building flexdraft's C++ CPU kernels for %s%s into %s (once per machine, ~10-20 s)", isa,
+             " with the bf16 GEMV" if gemv else "", folder)
+    start = time.perf_counter()
+    sources, flags = build_plan(isa, gemv)
+    cpp_extension.load(name=library.stem, sources=[str(s) for s in sources], build_directory=str(folder),
+                       extra_cflags=["-O3", "-std=c++17", "-ffp-contract=off", "-fopenmp", *flags],
+                       extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+    log.info("built flexdraft's C++ CPU kernels in %.0f s", time.perf_counter() - start)
+    return library
+
+
 @functools.cache
 def load() -> bool:
-    """Build (once per machine) and load the kernels; False, with a warning, where this CPU or machine cannot."""
+    """Load this CPU's kernels, building them first where no build is cached; False, with a warning, where this CPU
+    or machine cannot."""
     log = logs.get("runtime")
     if os.environ.get("FLEXDRAFT_CPU_KERNELS", "1") == "0":
         return False
@@ -74,32 +107,13 @@ def load() -> bool:
     if isa not in _ISA_FLAGS:
         log.warning("no C++ CPU kernels for %s (they need AVX512 or AVX2): attention runs on PyTorch's ops", isa)
         return False
-    from torch.utils import cpp_extension  # imported here: it pulls in setuptools
-
     try:
-        ident = build_id(isa)
-    except OSError as e:  # an install without the sources
-        log.warning("flexdraft's C++ CPU kernels could not be built (%s): attention runs on PyTorch's ops", e)
-        return False
-    folder = cache_dir() / ident
-    folder.mkdir(parents=True, exist_ok=True)
-    fresh = not any(folder.glob("*.so"))
-    if fresh:
-        log.info("building flexdraft's C++ CPU kernels for %s into %s (once per machine, ~10 s)", isa, folder)
-    start = time.perf_counter()
-    try:
-        sources, flags = build_plan(isa)
-        cpp_extension.load(name=f"flexdraft_cpu_{ident}", sources=[str(s) for s in sources],
-                           build_directory=str(folder),
-                           extra_cflags=["-O3", "-std=c++17", "-ffp-contract=off", "-fopenmp", *flags],
-                           extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
-    except (RuntimeError, OSError, ImportError) as e:  # no compiler, no ninja, a failed build
+        torch.ops.load_library(str(build(isa, has_gemv_bf16(isa))))
+    except (RuntimeError, OSError, ImportError) as e:  # no sources, no compiler, no ninja, a failed build
         lines = str(e).strip().splitlines() or [type(e).__name__]
         reason = next((line.strip() for line in lines if "error" in line), lines[-1])[:300]
         log.warning("flexdraft's C++ CPU kernels could not be built (%s): attention runs on PyTorch's ops", reason)
         return False
-    if fresh:
-        log.info("built flexdraft's C++ CPU kernels in %.0f s", time.perf_counter() - start)
     return True
 
 
@@ -130,8 +144,20 @@ def gemv_available() -> bool:
 
 
 def main() -> None:
-    """`python -m flexdraft.models.kernels`: build the kernels now (what `make` runs at set-up)."""
+    """`python -m flexdraft.models.kernels [--all]`: build this CPU's kernels now (what `make` runs at set-up), or
+    every variant (an image built on one CPU for nodes of others)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
+    ap.add_argument("--all", action="store_true", help="every variant: " + ", ".join(
+        f"{isa}{' + bf16 GEMV' if gemv else ''}" for isa, gemv in VARIANTS))
     start = time.perf_counter()
+    if ap.parse_args().all:  # one process per variant: a build loads its library, and two define the same ops
+        for isa, gemv in VARIANTS:
+            code = f"from flexdraft.models.kernels import build; print(build({isa!r}, {gemv}))"
+            library = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+            print(f"flexdraft C++ CPU kernels, {isa}{' + bf16 GEMV' if gemv else ''}: {library.stdout.strip()}")
+        return
     ok = load()
     print(f"flexdraft C++ CPU kernels: {'ready' if ok else 'not available (PyTorch ops are used)'} "
           f"({probe().cpu_isa}, {time.perf_counter() - start:.0f} s, {cache_dir()})")

@@ -15,6 +15,8 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include "vec_io.h"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -22,27 +24,9 @@
 
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
+using namespace flexdraft_kernels;
 constexpr int kMaxVecs = 16;  // head_dim up to 16 vectors (256 floats with AVX-512, 128 with AVX2)
 constexpr int kMaxRows = 64;  // query rows per key/value head (H/Hkv x T): kernels.SINGLE_MAX_ROWS
-
-inline Vec loadf(const float* p) { return Vec::loadu(p); }
-
-template <typename E>
-inline Vec loadf(const E* p) {
-  Vec out;
-  at::vec::load_to_float<E>(p, out);
-  return out;
-}
-
-inline void storef(float* p, const Vec& v) { v.store(p); }
-
-template <typename E>
-inline void storef(E* p, const Vec& v) {
-  // converts Vec::size() floats; the other half of the reduced-precision vector is discarded
-  auto both = at::vec::convert_from_float<E>(v, v);
-  both.store(p, Vec::size());
-}
 
 template <typename E, bool kBoolMask>
 void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask, at::Tensor& out) {
@@ -135,14 +119,6 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
   });
 }
 
-// the output [B, H, T, D], laid out [B, T, H, D]
-template <typename E>
-at::Tensor dispatch_mask(bool boolean, const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
-                         const at::Tensor& mask, at::Tensor& out) {
-  boolean ? run<E, true>(q, keys, values, mask, out) : run<E, false>(q, keys, values, mask, out);
-  return out.transpose(1, 2);
-}
-
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
                             const at::Tensor& mask) {
   TORCH_CHECK(q.device().is_cpu() && q.dim() == 4 && keys.dim() == 4 && values.dim() == 4 && mask.dim() == 4,
@@ -164,12 +140,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
               "decode_attention: a bool mask or an fp32 bias");
   at::Tensor out = at::empty({B, T, H, D}, q.options());
   const bool boolean = mask.scalar_type() == at::kBool;
-  switch (q.scalar_type()) {  // the model dtypes
-    case at::kFloat: return dispatch_mask<float>(boolean, q, keys, values, mask, out);
-    case at::kBFloat16: return dispatch_mask<at::BFloat16>(boolean, q, keys, values, mask, out);
-    case at::kHalf: return dispatch_mask<at::Half>(boolean, q, keys, values, mask, out);
-    default: TORCH_CHECK(false, "decode_attention: float32, bfloat16 or float16, not ", q.scalar_type());
-  }
+  dispatch(q.scalar_type(), "decode_attention", [&](auto tag) {
+    using E = decltype(tag);
+    boolean ? run<E, true>(q, keys, values, mask, out) : run<E, false>(q, keys, values, mask, out);
+  });
+  return out.transpose(1, 2);
 }
 
 }  // namespace
