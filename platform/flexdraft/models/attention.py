@@ -88,7 +88,8 @@ def attend(q, keys, values, mask):
 
     Decode steps and short verifies on CPU run the C++ kernel `decode_attention` (`kernels.use_decode_attention`
     says when): SDPA's CPU kernel tiles for long query blocks, and with a few query rows per head its overhead
-    dominates (a bf16 decode step of 16 rows: 0.92-0.94x the forward's time on the kernel).
+    dominates (a bf16 decode step of 16 rows over 120-500 cached tokens: 0.89-0.94x the forward's time on the
+    kernel).
 
     Over several rows SDPA sees the query heads that share a key/value head as that head's rows, rather than
     enable_gqa's heads, whose CPU kernel reads each key/value head once per query head (a bf16 9-token verify at 16
