@@ -195,8 +195,9 @@ def test_kernels_build_per_isa_or_fall_back(tmp_path, env, loaded):
     without a compiler the build fails with one warning line, not a traceback, and attention runs on SDPA; so it does
     with FLEXDRAFT_CPU_KERNELS=0. A build already in FLEXDRAFT_KERNELS_DIR loads without a compiler (an image's)."""
     env = {k: str(kernels.cache_dir()) if v == "BUILT" else v for k, v in env.items()}
+    base = {k: v for k, v in os.environ.items() if k != "FLEXDRAFT_KERNELS_DIR"}  # (a fresh cache unless named)
     run = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300, cwd=REPO,
-                         env={**os.environ, "XDG_CACHE_HOME": str(tmp_path), **env})
+                         env={**base, "XDG_CACHE_HOME": str(tmp_path), **env})
     assert run.returncode == 0, run.stderr[-2000:]
     result = json.loads(run.stdout.splitlines()[-1])
     assert result["loaded"] is loaded and result["diff"] < 1e-5
