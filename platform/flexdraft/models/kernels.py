@@ -122,15 +122,14 @@ def use_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     a few query rows per key/value head, a head_dim in whole vectors, and the kernels loaded (FLEXDRAFT_CPU_KERNELS=0
     turns them off)."""
     rows, D = q.shape[1] // keys.shape[1] * q.shape[2], q.shape[-1]
-    return (q.device.type == "cpu" and rows <= (SINGLE_MAX_ROWS if q.shape[0] == 1 else DECODE_MAX_ROWS)
+    return (rows <= (SINGLE_MAX_ROWS if q.shape[0] == 1 else DECODE_MAX_ROWS)
             and D % 16 == 0 and D <= 128  # whole vectors of 16 (AVX-512) or 8 (AVX2) floats, at most 16 of them
-            and not (torch.is_grad_enabled() and (q.requires_grad or keys.requires_grad or values.requires_grad))
-            and q.dtype != torch.float64 and load())
+            and fused(q, keys, values))
 
 
 def fused(*tensors: torch.Tensor) -> bool:
-    """Whether the model's elementwise work over these tensors runs on the fused C++ ops (`csrc/fused_ops.cpp`):
-    inference on CPU in a model dtype, with the kernels loaded."""
+    """Whether work over these tensors runs on the C++ ops: inference on CPU in a model dtype, with the kernels
+    loaded (what every op of theirs needs; `use_decode_attention` adds the attention's shapes)."""
     t = tensors[0]
     return (t.device.type == "cpu" and t.dtype in (torch.float32, torch.bfloat16, torch.float16)
             and not (torch.is_grad_enabled() and any(x.requires_grad for x in tensors)) and load())
@@ -140,7 +139,13 @@ def gemv_available() -> bool:
     """Whether one bf16 row can go through a linear layer on gemv_bf16 (`Linear`'s one-row path "gemv").
     FLEXDRAFT_CPU_GEMV=0 leaves single rows on oneDNN, as several rows are: in bf16 the GEMV rounds a batch-1 AR
     step's sums differently from a verify's GEMM, so more rows leave AR's path at near-ties (fp32 never takes it)."""
-    return os.environ.get("FLEXDRAFT_CPU_GEMV", "1") != "0" and has_gemv_bf16(probe().cpu_isa) and load()
+    return gemv_wanted() and load()
+
+
+@functools.cache
+def gemv_wanted() -> bool:
+    """This CPU has the GEMV and FLEXDRAFT_CPU_GEMV does not turn it off (read once: `Linear` asks per call)."""
+    return os.environ.get("FLEXDRAFT_CPU_GEMV", "1") != "0" and has_gemv_bf16(probe().cpu_isa)
 
 
 def main() -> None:

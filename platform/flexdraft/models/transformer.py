@@ -210,9 +210,10 @@ class Linear(nn.Linear):
         if self.one_row == "gemv" and x.numel() == x.shape[-1]:
             if x.dtype == torch.bfloat16 and x.is_contiguous() and kernels.fused(x) and kernels.gemv_available():
                 return torch.ops.flexdraft.gemv_bf16(x, self.weight, self.bias)
-            if one_row_path(x.dtype, with_kernels=False) == "linear":  # the kernels off: the fastest other path
+            path = one_row_path(x.dtype, with_kernels=False)  # the kernels off: the fastest other path
+            if path == "linear":
                 return F.linear(x, self.weight, self.bias)
-            return packed_linear(x, self.packed, self.bias, one_row_path(x.dtype, with_kernels=False))
+            return packed_linear(x, self.packed, self.bias, path)
         return packed_linear(x, self.packed, self.bias, self.one_row)
 
     @staticmethod
