@@ -18,7 +18,7 @@ from flexdraft.core.hardware import probe
 from flexdraft.models import kernels
 from flexdraft.models.attention import attend, grouped_bias, grouped_mask
 from flexdraft.models.loading import load_model
-from flexdraft.models.transformer import apply_rope
+from flexdraft.models.transformer import Linear, apply_rope
 
 # the kernels need a C++ compiler and AVX2 or AVX-512; on such a machine a failed build fails this file's first test
 BUILDABLE = bool(shutil.which(os.environ.get("CXX", "c++"))) and probe().cpu_isa in ("AVX512", "AVX2")
@@ -138,6 +138,60 @@ def test_gemv_bf16_is_the_linear_rounded_once():
     w = torch.randn(40, 96, generator=g).bfloat16()
     alone = torch.cat([torch.ops.flexdraft.gemv_bf16(row[None], w, None) for row in rows])
     assert torch.equal(torch.ops.flexdraft.gemv_bf16(rows, w, None), alone)
+
+
+@pytest.mark.skipif(not kernels.amx_available(), reason="a CPU without AMX-BF16")
+def test_amx_linear_is_the_linear_rounded_once_whatever_the_row_count():
+    """bf16 rows through AMX tiles (outputs not in whole blocks, with and without bias): F.linear in fp32 over the
+    same values, rounded once; each row bitwise as it is alone, from 1 row to past a brgemm call's 32. A packed
+    Linear takes the tiles up to AMX_MAX_ROWS rows and oneDNN beyond, and an odd input width is never tiled."""
+    g = torch.Generator().manual_seed(0)
+    for n, k in ((37, 50), (960, 576), (96, 1536)):
+        w, b = torch.randn(n, k, generator=g).bfloat16(), torch.randn(n, generator=g).bfloat16()
+        tiles = torch.ops.flexdraft.amx_pack(w)
+        x = torch.randn(40, k, generator=g).bfloat16()
+        for bias in (None, b):
+            want = F.linear(x.float(), w.float(), None if bias is None else bias.float())
+            got = torch.ops.flexdraft.amx_linear(x, tiles, bias, n)
+            assert got.shape == (40, n) and got.dtype == torch.bfloat16
+            assert ((got.float() - want).abs() <= want.abs() * 2 ** -8 + 1e-3).all()  # + fp32 summation order
+            for rows in (1, 3, 9, 32):
+                assert torch.equal(torch.ops.flexdraft.amx_linear(x[:rows], tiles, bias, n), got[:rows])
+    linear = Linear(576, 960).bfloat16()
+    linear.pack()
+    assert linear.tiles is not None
+    with torch.inference_mode():
+        x = torch.randn(2, 20, 576, generator=g).bfloat16()
+        few, many = linear(x[:1, :kernels.AMX_MAX_ROWS]), linear(x)  # 20 rows: tiles; 40: oneDNN
+    assert torch.equal(few, torch.ops.flexdraft.amx_linear(x[:1].contiguous(), linear.tiles, linear.bias, 960))
+    assert not torch.equal(many[:1], few)  # oneDNN sums in another order: these rows round differently
+    odd = Linear(575, 64).bfloat16()
+    odd.pack()
+    assert odd.tiles is None
+
+
+@pytest.mark.skipif(not kernels.amx_available(), reason="a CPU without AMX-BF16")
+def test_a_bf16_verify_computes_what_one_token_steps_compute(tmp_path):
+    """Batch 1 in bf16 with every kernel: a forward of 5 tokens gives, bitwise, the logits of 5 one-token forwards
+    (GEMMs on AMX tiles, attention and elementwise ops each compute a row alone), so a verify accepts exactly
+    where AR's own steps would have gone. At SmolLM2's widths, where oneDNN's few-row GEMMs round unlike its
+    single-row path (without the tiles the two differ)."""
+    make_tiny_hf("llama", tmp_path, hidden_size=576, intermediate_size=1536, num_attention_heads=9,
+                 num_key_value_heads=3)
+    model = load_model(tmp_path, RuntimeConfig(device="cpu", dtype="bfloat16", threads=1),
+                       with_tokenizer=False).model
+    seq = torch.randint(3, 96, (1, 12), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        cache = model.new_cache(1, 32)
+        model(seq[:, :7], torch.arange(7)[None], cache)
+        cache.lens[:] = 7
+        steps = []
+        for t in range(7, 12):
+            steps.append(model.logits(model(seq[:, t:t + 1], cache.next_positions(1), cache)))
+            cache.lens += 1
+        cache.lens[:] = 7
+        verify = model.logits(model(seq[:, 7:], cache.next_positions(5), cache))
+    assert torch.equal(verify, torch.cat(steps, dim=1))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -7,7 +7,7 @@ from pathlib import Path
 VERSIONS = ("flexdraft", "torch", "ray", "deepspeed", "transformers", "mlflow", "datasets", "safetensors")
 ENV_VARS = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "OMP_NUM_THREADS",
             "CUDA_VISIBLE_DEVICES", "DS_ACCELERATOR", "RAY_ADDRESS", "MLFLOW_TRACKING_URI", "FLEXDRAFT_HOME",
-            "FLEXDRAFT_CPU_KERNELS", "FLEXDRAFT_CPU_GEMV", "FLEXDRAFT_KERNELS_DIR")
+            "FLEXDRAFT_CPU_KERNELS", "FLEXDRAFT_CPU_GEMV", "FLEXDRAFT_CPU_AMX", "FLEXDRAFT_KERNELS_DIR")
 
 
 def env_report(model: str) -> dict:
@@ -49,6 +49,7 @@ def env_report(model: str) -> dict:
         "auto": {"device": str(device), "dtype": str(dtype).removeprefix("torch."),
                  "prepack": str(device.type == "cpu" and caps.can_prepack(dtype)), "attention": attention,
                  "cpu_kernels": (f"C++: decode attention, fused ops{', bf16 GEMV' if kernels.gemv_available() else ''}"
+                                 f"{', bf16 AMX tiles' if kernels.amx_available() else ''}"
                                  f" ({caps.cpu_isa}, {kernels.cache_dir()})"
                                  if device.type == "cpu" and kernels.load() else "none (PyTorch ops)"),
                  "threads": str(torch.get_num_threads())},

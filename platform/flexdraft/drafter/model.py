@@ -210,7 +210,7 @@ class Drafter(nn.Module):
         head = target.lm_head
         for module in self.modules():
             if isinstance(module, Linear):
-                module.packed = None
+                module.unpack()
                 if head.packed is not None:
                     module.pack(head.one_row)
         self.pair_with(target)

@@ -37,6 +37,9 @@ _ISA_FLAGS = {
 # GEMMs (AMX in bf16): a 9-token verify of 16 rows (27 rows per head) took 1.10x the forward's time on the kernel,
 # of 1 row 0.95x (benchmarks/2026-12-06-kernels)
 DECODE_MAX_ROWS, SINGLE_MAX_ROWS = 16, 64
+# amx_linear takes up to this many rows (a decode step, a small verify); beyond, oneDNN's prepacked GEMM: over a
+# decoder's weights in bf16 it took 0.78-0.89x oneDNN's time at 1-32 rows, 1.0x at 64 and more from 128
+AMX_MAX_ROWS = 32
 
 
 def cache_dir() -> Path:
@@ -58,7 +61,8 @@ VARIANTS = [("AVX2", False), ("AVX512", False), ("AVX512", True)]  # (ISA, with 
 
 def build_plan(isa: str, gemv: bool) -> tuple[list[Path], list[str]]:
     """The sources and compiler flags of one variant."""
-    sources, flags = [CSRC / "decode_attention.cpp", CSRC / "fused_ops.cpp"], list(_ISA_FLAGS[isa])
+    sources = [CSRC / "decode_attention.cpp", CSRC / "fused_ops.cpp", CSRC / "linear_amx.cpp"]
+    flags = list(_ISA_FLAGS[isa])
     if gemv:
         sources.append(CSRC / "gemv_bf16.cpp")
         flags.append("-mavx512bf16")
@@ -133,6 +137,12 @@ def fused(*tensors: torch.Tensor) -> bool:
     t = tensors[0]
     return (t.device.type == "cpu" and t.dtype in (torch.float32, torch.bfloat16, torch.float16)
             and not (torch.is_grad_enabled() and any(x.requires_grad for x in tensors)) and load())
+
+
+def amx_available() -> bool:
+    """Whether bf16 linear layers can run on AMX tiles (`Linear.tiles`, C++ `amx_linear`): the kernels loaded on
+    a CPU whose ATen brgemm has AMX-BF16. FLEXDRAFT_CPU_AMX=0 turns them off alone."""
+    return os.environ.get("FLEXDRAFT_CPU_AMX", "1") != "0" and load() and torch.ops.flexdraft.amx_ready()
 
 
 def gemv_available() -> bool:

@@ -194,17 +194,30 @@ class Linear(nn.Linear):
     Prepacking (what inductor's freezing does) makes decode-sized GEMMs 1.5-2x faster, results equal to
     F.linear's up to summation order. A single row (batch-1 decode) goes the way `one_row_path` measured fastest
     on this CPU. Only for the dtypes the hardware probe says oneDNN can pack (`Transformer.to_runtime`).
-    Inference only: no gradient reaches `weight` through the packed copy (training leaves `packed` None).
+    In bf16 on CPUs with AMX, up to AMX_MAX_ROWS rows (decode steps, small verifies; single rows too) run on
+    AMX tiles instead (`kernels.amx_available`, C++ `amx_linear`): weights read once for all rows, and each
+    row's result the same however many rows come with it, so a verify's rows equal an AR step's.
+    Inference only: no gradient reaches `weight` through the packed copies (training leaves them None).
     """
 
     packed: torch.Tensor | None = None
-    one_row: str = "packed"  # a single row's path (ONE_ROW_PATHS)
+    tiles: torch.Tensor | None = None  # the weight as amx_pack lays it out (bf16 on AMX CPUs), else None
+    one_row: str = "packed"  # a single row's path (ONE_ROW_PATHS), where there are no tiles
 
     def pack(self, one_row: str = "packed") -> None:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 16)  # 16: expected rows (hint)
         self.one_row = one_row
+        if self.weight.dtype == torch.bfloat16 and self.in_features % 2 == 0 and kernels.amx_available():
+            self.tiles = torch.ops.flexdraft.amx_pack(self.weight)
+
+    def unpack(self) -> None:
+        """Back to F.linear on `weight` (drops the packed copies)."""
+        self.packed = self.tiles = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (self.tiles is not None and x.numel() <= kernels.AMX_MAX_ROWS * x.shape[-1] and x.is_contiguous()
+                and kernels.fused(x)):
+            return torch.ops.flexdraft.amx_linear(x, self.tiles, self.bias, self.out_features)
         if self.packed is None or (self.one_row == "linear" and x.numel() == x.shape[-1]):
             return F.linear(x, self.weight, self.bias)
         if self.one_row == "gemv" and x.numel() == x.shape[-1]:
@@ -392,7 +405,7 @@ class Transformer(nn.Module):
             fused.update(qkv + gate_up)
         for m in self.modules():
             if isinstance(m, Linear):
-                m.packed = None
+                m.unpack()
                 if pack is not None and m not in fused:
                     m.pack(pack)
         if on_cpu and dtype != torch.float32:

@@ -1,0 +1,116 @@
+"""AMX tiles for the linear layers' few-row GEMMs (`Linear.tiles`, C++ `amx_linear`) against what they replace
+(oneDNN's prepacked GEMM; a single bf16 row: the one-row GEMV), on the real model in bf16, paired in one process.
+Both forms are the same loaded model: `kernels.AMX_MAX_ROWS` = 0 sends every GEMM the old way.
+
+1. whole target forwards per shape (rows x tokens over S cached tokens), alternating, median of each;
+2. whole generations (16 GSM8K prompts, greedy, 64 new tokens) in AR and adaptive at batch 1 and 16, alternating:
+   tokens/s, outputs that agree between the forms, and, per form, how many of adaptive's outputs equal AR's (a
+   row whose GEMMs round alike whatever their row count follows AR's path further).
+
+    python benchmarks/2026-12-07-amx/ab.py --drafter ~/.flexdraft/pipelines/smollm2-demo/drafter
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+import flexdraft.models.kernels as kernels
+from flexdraft.core.config import RuntimeConfig
+from flexdraft.core.data import bench_prompts
+from flexdraft.engine.config import EngineConfig
+from flexdraft.engine.runner import load_engine
+from flexdraft.models.loading import load_model
+from flexdraft.speculative.sampling import SamplingParams
+
+SHAPES = [(1, 1, 256), (1, 9, 120), (4, 1, 256), (4, 5, 256), (16, 1, 256), (16, 1, 500), (16, 2, 256)]
+FORMS = {"onednn": 0, "amx": kernels.AMX_MAX_ROWS}
+
+
+def timed_pairs(run, reps: int, warmup: int = 2) -> dict[str, list]:
+    """run() under each form in turn, reps + warmup times; -> form: [(seconds, run's result)] after the warm-up."""
+    out = {form: [] for form in FORMS}
+    for rep in range(reps + warmup):
+        for form, rows in FORMS.items():
+            kernels.AMX_MAX_ROWS = rows
+            t0 = time.perf_counter()
+            result = run()
+            if rep >= warmup:
+                out[form].append((time.perf_counter() - t0, result))
+    kernels.AMX_MAX_ROWS = FORMS["amx"]
+    return out
+
+
+def forwards(runtime: RuntimeConfig, reps: int) -> list[dict]:
+    m = load_model("smollm2", runtime, with_tokenizer=False).model
+    rows = []
+    for B, T, S in SHAPES:
+        cache = m.new_cache(B, 1024)
+        cache.lens[:] = S
+        tokens = torch.randint(0, 1000, (B, T), generator=torch.Generator().manual_seed(0))
+        pos = cache.lens[:, None] + torch.arange(T)
+        with torch.inference_mode():
+            runs = timed_pairs(lambda: m.logits(m(tokens, pos, cache)), reps)
+        a, b = (1000 * statistics.median(t for t, _ in runs[f]) for f in FORMS)
+        rows.append({"rows": B, "tokens": T, "cached": S, "onednn_ms": a, "amx_ms": b, "ratio": b / a})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def generations(runtime: RuntimeConfig, drafter: str, pairs: int) -> list[dict]:
+    rows, outputs = [], {}
+    for mode in ("ar", "adaptive"):
+        for batch in (1, 16):
+            lm, engine, *_ = load_engine("smollm2", runtime, drafter, EngineConfig(mode=mode, max_batch=batch,
+                                                                                   max_len=640), store_spec="none")
+            prompts = [p.ids for p in bench_prompts("gsm8k", lm.tokenizer, 16, seed=0)]
+            runs = timed_pairs(lambda: [g.token_ids for g in engine.generate(prompts, SamplingParams(
+                max_new_tokens=64))], pairs, warmup=0)
+            tok_s = {f: statistics.median(sum(map(len, out)) / t for t, out in runs[f]) for f in FORMS}
+            for f in FORMS:
+                outputs[mode, batch, f] = runs[f][-1][1]
+            same = sum(x == y for x, y in zip(outputs[mode, batch, "onednn"], outputs[mode, batch, "amx"]))
+            rows.append({"mode": mode, "batch": batch, "onednn_tok_s": tok_s["onednn"], "amx_tok_s": tok_s["amx"],
+                         "speedup": tok_s["amx"] / tok_s["onednn"], "same_outputs": same})
+            if mode == "adaptive":
+                for f in FORMS:
+                    rows[-1][f"{f}_equal_ar"] = sum(x == y for x, y in zip(outputs[mode, batch, f],
+                                                                          outputs["ar", batch, f]))
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--drafter", required=True)
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--pairs", type=int, default=3)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    assert kernels.amx_available(), "no AMX tiles here (a bf16 AMX CPU with the C++ kernels built)"
+    runtime = RuntimeConfig(device="cpu", dtype="bfloat16", threads=2)
+    fw = forwards(runtime, args.reps)
+    gen = generations(runtime, args.drafter, args.pairs)
+    print(f"\nbf16, 2 threads; forwards: median of {args.reps} alternating pairs\n")
+    print("| rows x tokens, cached | oneDNN / GEMV ms | AMX tiles ms | ratio |")
+    print("|---|---|---|---|")
+    for r in fw:
+        print(f"| {r['rows']} x {r['tokens']}, {r['cached']} | {r['onednn_ms']:.1f} | {r['amx_ms']:.1f} | "
+              f"{r['ratio']:.2f} |")
+    print(f"\ngenerations: 16 GSM8K prompts, 64 new tokens, median of {args.pairs} alternating pairs\n")
+    print("| mode, batch | oneDNN / GEMV tok/s | AMX tiles tok/s | speed-up | same outputs | equal to AR's |")
+    print("|---|---|---|---|---|---|")
+    for r in gen:
+        ar = f"{r['onednn_equal_ar']} / {r['amx_equal_ar']}" if "amx_equal_ar" in r else "-"
+        print(f"| {r['mode']}, {r['batch']} | {r['onednn_tok_s']:.1f} | {r['amx_tok_s']:.1f} | {r['speedup']:.2f}x |"
+              f" {r['same_outputs']}/16 | {ar} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"dtype": "bfloat16", "forwards": fw, "generations": gen}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
