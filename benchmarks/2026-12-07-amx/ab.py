@@ -26,7 +26,7 @@ from flexdraft.engine.runner import load_engine
 from flexdraft.models.loading import load_model
 from flexdraft.speculative.sampling import SamplingParams
 
-SHAPES = [(1, 1, 256), (1, 9, 120), (4, 1, 256), (4, 5, 256), (16, 1, 256), (16, 1, 500), (16, 2, 256)]
+SHAPES = [(1, 1, 256), (1, 9, 120), (4, 1, 256), (4, 5, 256), (16, 1, 256), (16, 1, 500), (16, 2, 256), (16, 4, 256)]
 FORMS = {"onednn": 0, "amx": kernels.AMX_MAX_ROWS}
 
 

@@ -144,9 +144,10 @@ def test_gemv_bf16_is_the_linear_rounded_once():
 def test_amx_linear_is_the_linear_rounded_once_whatever_the_row_count():
     """bf16 rows through AMX tiles (outputs not in whole blocks, with and without bias): F.linear in fp32 over the
     same values, rounded once; each row bitwise as it is alone, from 1 row to past a brgemm call's 32. A packed
-    Linear takes the tiles up to AMX_MAX_ROWS rows and oneDNN beyond, and an odd input width is never tiled."""
+    Linear takes the tiles up to AMX_MAX_ROWS rows and oneDNN beyond; an input width not in whole tiles (32) is
+    never tiled, and amx_pack names the problem."""
     g = torch.Generator().manual_seed(0)
-    for n, k in ((37, 50), (960, 576), (96, 1536)):
+    for n, k in ((37, 64), (960, 576), (96, 1536)):
         w, b = torch.randn(n, k, generator=g).bfloat16(), torch.randn(n, generator=g).bfloat16()
         tiles = torch.ops.flexdraft.amx_pack(w)
         x = torch.randn(40, k, generator=g).bfloat16()
@@ -155,19 +156,21 @@ def test_amx_linear_is_the_linear_rounded_once_whatever_the_row_count():
             got = torch.ops.flexdraft.amx_linear(x, tiles, bias, n)
             assert got.shape == (40, n) and got.dtype == torch.bfloat16
             assert ((got.float() - want).abs() <= want.abs() * 2 ** -8 + 1e-3).all()  # + fp32 summation order
-            for rows in (1, 3, 9, 32):
+            for rows in (1, 3, 9, 16, 17, 32, 33):
                 assert torch.equal(torch.ops.flexdraft.amx_linear(x[:rows], tiles, bias, n), got[:rows])
     linear = Linear(576, 960).bfloat16()
     linear.pack()
     assert linear.tiles is not None
     with torch.inference_mode():
-        x = torch.randn(2, 20, 576, generator=g).bfloat16()
-        few, many = linear(x[:1, :kernels.AMX_MAX_ROWS]), linear(x)  # 20 rows: tiles; 40: oneDNN
+        x = torch.randn(2, kernels.AMX_MAX_ROWS - 4, 576, generator=g).bfloat16()
+        few, many = linear(x[:1]), linear(x)  # up to AMX_MAX_ROWS rows: tiles; twice as many: oneDNN
     assert torch.equal(few, torch.ops.flexdraft.amx_linear(x[:1].contiguous(), linear.tiles, linear.bias, 960))
     assert not torch.equal(many[:1], few)  # oneDNN sums in another order: these rows round differently
-    odd = Linear(575, 64).bfloat16()
+    odd = Linear(560, 64).bfloat16()
     odd.pack()
     assert odd.tiles is None
+    with pytest.raises(RuntimeError, match="K a multiple of 32"):
+        torch.ops.flexdraft.amx_pack(odd.weight)
 
 
 @pytest.mark.skipif(not kernels.amx_available(), reason="a CPU without AMX-BF16")

@@ -1,5 +1,6 @@
 """The C++ CPU kernels in csrc/ (torch.ops.flexdraft.*), built once per machine and cached, and whether to use them:
-the decode attention, the fused elementwise ops and, on CPUs with AVX512-BF16, the one-row bf16 GEMV.
+the decode attention, the fused elementwise ops and, on CPUs with AVX512-BF16, the one-row bf16 GEMV and (where
+there is AMX) the few-row bf16 GEMM on AMX tiles.
 
 Built with torch.utils.cpp_extension for the instruction set torch dispatches to here (`probe().cpu_isa`: AVX512 or
 AVX2, with ATen's vector types at that level) into $FLEXDRAFT_KERNELS_DIR or ~/.cache/flexdraft/kernels, in a folder
@@ -37,9 +38,8 @@ _ISA_FLAGS = {
 # GEMMs (AMX in bf16): a 9-token verify of 16 rows (27 rows per head) took 1.10x the forward's time on the kernel,
 # of 1 row 0.95x (benchmarks/2026-12-06-kernels)
 DECODE_MAX_ROWS, SINGLE_MAX_ROWS = 16, 64
-# amx_linear takes up to this many rows (a decode step, a small verify); beyond, oneDNN's prepacked GEMM: over a
-# decoder's weights in bf16 it took 0.78-0.89x oneDNN's time at 1-32 rows, 1.0x at 64 and more from 128
-AMX_MAX_ROWS = 32
+# amx_linear takes up to this many rows (a decode step, a small verify); beyond, oneDNN's prepacked GEMM
+AMX_MAX_ROWS = 64
 
 
 def cache_dir() -> Path:
@@ -61,11 +61,10 @@ VARIANTS = [("AVX2", False), ("AVX512", False), ("AVX512", True)]  # (ISA, with 
 
 def build_plan(isa: str, gemv: bool) -> tuple[list[Path], list[str]]:
     """The sources and compiler flags of one variant."""
-    sources = [CSRC / "decode_attention.cpp", CSRC / "fused_ops.cpp", CSRC / "linear_amx.cpp"]
-    flags = list(_ISA_FLAGS[isa])
-    if gemv:
-        sources.append(CSRC / "gemv_bf16.cpp")
-        flags.append("-mavx512bf16")
+    sources, flags = [CSRC / "decode_attention.cpp", CSRC / "fused_ops.cpp"], list(_ISA_FLAGS[isa])
+    if gemv:  # with the AMX GEMM: it is run only where the CPU and the kernel grant AMX (`amx_available`)
+        sources += [CSRC / "gemv_bf16.cpp", CSRC / "linear_amx.cpp"]
+        flags += ["-mavx512bf16", "-mamx-tile", "-mamx-bf16"]
     return sources, flags
 
 
@@ -140,9 +139,11 @@ def fused(*tensors: torch.Tensor) -> bool:
 
 
 def amx_available() -> bool:
-    """Whether bf16 linear layers can run on AMX tiles (`Linear.tiles`, C++ `amx_linear`): the kernels loaded on
-    a CPU whose ATen brgemm has AMX-BF16. FLEXDRAFT_CPU_AMX=0 turns them off alone."""
-    return os.environ.get("FLEXDRAFT_CPU_AMX", "1") != "0" and load() and torch.ops.flexdraft.amx_ready()
+    """Whether bf16 linear layers can run on AMX tiles (`Linear.tiles`, C++ `amx_linear`): a CPU with AMX-BF16 (Intel
+    from Sapphire Rapids), the kernels loaded and the OS granting AMX's state. FLEXDRAFT_CPU_AMX=0 turns them off
+    alone."""
+    return (os.environ.get("FLEXDRAFT_CPU_AMX", "1") != "0" and has_gemv_bf16(probe().cpu_isa)
+            and "amx_bf16" in cpuinfo("flags").split() and load() and torch.ops.flexdraft.amx_ready())
 
 
 def gemv_available() -> bool:

@@ -207,7 +207,7 @@ class Linear(nn.Linear):
     def pack(self, one_row: str = "packed") -> None:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 16)  # 16: expected rows (hint)
         self.one_row = one_row
-        if self.weight.dtype == torch.bfloat16 and self.in_features % 2 == 0 and kernels.amx_available():
+        if self.weight.dtype == torch.bfloat16 and self.in_features % 32 == 0 and kernels.amx_available():
             self.tiles = torch.ops.flexdraft.amx_pack(self.weight)
 
     def unpack(self) -> None:
