@@ -56,14 +56,14 @@ def has_gemv_bf16(isa: str) -> bool:
     return isa == "AVX512" and "avx512_bf16" in cpuinfo("flags").split()
 
 
-VARIANTS = [("AVX2", False), ("AVX512", False), ("AVX512", True)]  # (ISA, with the bf16 GEMV)
+VARIANTS = [("AVX2", False), ("AVX512", False), ("AVX512", True)]  # (ISA, with the bf16 GEMV and AMX GEMM)
 
 
 def build_plan(isa: str, gemv: bool) -> tuple[list[Path], list[str]]:
     """The sources and compiler flags of one variant."""
     sources, flags = [CSRC / "decode_attention.cpp", CSRC / "fused_ops.cpp"], list(_ISA_FLAGS[isa])
     if gemv:  # with the AMX GEMM: it is run only where the CPU and the kernel grant AMX (`amx_available`)
-        sources += [CSRC / "gemv_bf16.cpp", CSRC / "linear_amx.cpp"]
+        sources += [CSRC / "gemv_bf16.cpp", CSRC / "linear_amx.cpp", CSRC / "decoder_stack.cpp"]
         flags += ["-mavx512bf16", "-mamx-tile", "-mamx-bf16"]
     return sources, flags
 
@@ -89,7 +89,7 @@ def build(isa: str, gemv: bool) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     log = logs.get("runtime")
     log.info("building flexdraft's C++ CPU kernels for %s%s into %s (once per machine, ~10-20 s)", isa,
-             " with the bf16 GEMV" if gemv else "", folder)
+             " with the bf16 GEMV and AMX GEMM" if gemv else "", folder)
     start = time.perf_counter()
     sources, flags = build_plan(isa, gemv)
     cpp_extension.load(name=library.stem, sources=[str(s) for s in sources], build_directory=str(folder),
@@ -124,10 +124,23 @@ def use_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     """Whether `attend` takes decode_attention for q [B, H, T, D] over keys/values [B, Hkv, S, D]: inference on CPU,
     a few query rows per key/value head, a head_dim in whole vectors, and the kernels loaded (FLEXDRAFT_CPU_KERNELS=0
     turns them off)."""
-    rows, D = q.shape[1] // keys.shape[1] * q.shape[2], q.shape[-1]
-    return (rows <= (SINGLE_MAX_ROWS if q.shape[0] == 1 else DECODE_MAX_ROWS)
-            and D % 16 == 0 and D <= 128  # whole vectors of 16 (AVX-512) or 8 (AVX2) floats, at most 16 of them
-            and fused(q, keys, values))
+    B, H, T, D = q.shape
+    return decode_attention_fits(B, T, H, keys.shape[1], D) and fused(q, keys, values)
+
+
+def decode_attention_fits(B: int, T: int, H: int, Hkv: int, D: int) -> bool:
+    """decode_attention's shapes: B rows of T tokens, H query and Hkv key/value heads of D."""
+    return (H // Hkv * T <= (SINGLE_MAX_ROWS if B == 1 else DECODE_MAX_ROWS)
+            and D % 16 == 0 and D <= 128)  # whole vectors of 16 (AVX-512) or 8 (AVX2) floats, at most 16 of them
+
+
+def use_decoder_stack(x: torch.Tensor, H: int, Hkv: int, D: int) -> bool:
+    """Whether a forward of embedded tokens x [B, T, d] runs its layers as one C++ call (`decoder_stack`): where
+    every op of its body takes a kernel (inference on CPU, rows for the AMX tiles and for decode_attention), so
+    the call computes what the Python layers would. `Transformer.to_runtime` decides whether the model can at all
+    (bf16 on AMX, every GEMM tiled, no per-head q/k norm)."""
+    B, T = x.shape[0], x.shape[1]
+    return B * T <= AMX_MAX_ROWS and decode_attention_fits(B, T, H, Hkv, D) and x.is_contiguous() and fused(x)
 
 
 def fused(*tensors: torch.Tensor) -> bool:
@@ -166,13 +179,13 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
     ap.add_argument("--all", action="store_true", help="every variant: " + ", ".join(
-        f"{isa}{' + bf16 GEMV' if gemv else ''}" for isa, gemv in VARIANTS))
+        f"{isa}{' + bf16 GEMV and AMX' if gemv else ''}" for isa, gemv in VARIANTS))
     start = time.perf_counter()
     if ap.parse_args().all:  # one process per variant: a build loads its library, and two define the same ops
         for isa, gemv in VARIANTS:
             code = f"from flexdraft.models.kernels import build; print(build({isa!r}, {gemv}))"
             library = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
-            print(f"flexdraft C++ CPU kernels, {isa}{' + bf16 GEMV' if gemv else ''}: {library.stdout.strip()}")
+            print(f"flexdraft C++ CPU kernels, {isa}{' + bf16 GEMV and AMX' if gemv else ''}: {library.stdout.strip()}")
         return
     ok = load()
     print(f"flexdraft C++ CPU kernels: {'ready' if ok else 'not available (PyTorch ops are used)'} "

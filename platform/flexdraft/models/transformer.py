@@ -366,6 +366,7 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.inv_freq = rope_inv_freq(args)  # [D/2] fp32; a plain attribute so dtype casts never touch it
         self.math_attention = False  # grouped_attention instead of SDPA (set by to_runtime)
+        self.stack_params: list[torch.Tensor | None] | None = None  # decoder_stack's (set by to_runtime)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -414,7 +415,24 @@ class Transformer(nn.Module):
         else:
             self.math_attention = False
         self.inv_freq = rope_inv_freq(self.args).to(device)  # stays fp32 (and leaves the meta device)
+        self.stack_params = self.decoder_stack_params()
         return self
+
+    def decoder_stack_params(self) -> list[torch.Tensor | None] | None:
+        """The C++ `decoder_stack`'s params, 10 per layer (norms, AMX tiles and biases of the fused q/k/v, o, the
+        fused gate/up and down), where every GEMM of every layer has its tiles and no layer norms q/k per head;
+        else None (the layers run in Python)."""
+        params = []
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            if attn.qkv is None or mlp.gate_up is None or attn.q_norm is not None:
+                return None
+            qkv, o, gate_up, down = attn.qkv.linear, attn.o_proj, mlp.gate_up.linear, mlp.down_proj
+            if any(m.tiles is None for m in (qkv, o, gate_up, down)):
+                return None
+            params += [layer.input_layernorm.weight, qkv.tiles, qkv.bias, o.tiles, o.bias,
+                       layer.post_attention_layernorm.weight, gate_up.tiles, gate_up.bias, down.tiles, down.bias]
+        return params
 
     def attention_mask(self, mask: torch.Tensor) -> torch.Tensor:
         """bool [B, 1, T, S] (True = visible) -> what this model's attention takes (`attend`): its rows grouped by
@@ -456,8 +474,15 @@ class Transformer(nn.Module):
         x = self.embed_tokens(tokens)
         cos, sin = self.rope(pos, x.dtype)
         slots = pos if slots is None else slots
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, mask, cache.writer(i, slots, span))
+        a = self.args
+        if self.stack_params is not None and kernels.use_decoder_stack(x, a.n_heads, a.n_kv_heads, a.head_dim):
+            # the layers below as one C++ call, op for op the same kernels (a decode step: no interpreter per op)
+            x = torch.ops.flexdraft.decoder_stack(x, cos, sin, mask, slots, span, cache.k, cache.v,
+                                                  self.stack_params, a.rms_norm_eps, a.n_heads, a.n_kv_heads,
+                                                  a.head_dim)
+        else:
+            for i, layer in enumerate(self.layers):
+                x = layer(x, cos, sin, mask, cache.writer(i, slots, span))
         return self.norm(x)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
