@@ -49,7 +49,7 @@ def case(B, H, Hkv, T, S, D, dtype, seed=0):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("B,H,Hkv,T,S,D", [(16, 9, 3, 1, 70, 64), (3, 4, 2, 5, 33, 16), (1, 9, 3, 9, 120, 64),
-                                           (2, 8, 8, 2, 17, 32), (1, 2, 1, 32, 70, 128)])
+                                           (2, 8, 8, 2, 17, 32), (1, 2, 1, 32, 70, 128), (4, 9, 3, 9, 60, 64)])
 def test_decode_attention_is_sdpa_rounded_once(dtype, B, H, Hkv, T, S, D):
     """Bool mask and additive bias alike: fp32 equals SDPA to 1e-5; bf16 is SDPA over the same bf16 inputs,
     computed in fp32, rounded once (within half a bf16 step: 2^-8 of the value). The output is laid out [B, T, H, D],
@@ -74,14 +74,15 @@ def test_a_row_that_sees_no_key_attends_to_nothing():
 
 
 def test_attend_takes_the_kernel_for_few_query_rows_only():
-    """Decode steps and short verifies (up to 16 query rows per key/value head; a single sequence up to 64) take the
-    kernel; a 9-token verify of several rows, autograd and head dims not in whole vectors take PyTorch's ops."""
+    """Decode steps and short verifies (up to 16 query rows per key/value head; up to 64 for a single sequence or
+    64 tokens in all) take the kernel; a 9-token verify of 16 rows, autograd and head dims not in whole vectors take
+    PyTorch's ops."""
     def takes(B, T, D=64, grad=False):
         q, k, v, _ = case(B, 9, 3, T, 80, D, torch.float32)
         return kernels.use_decode_attention(q.requires_grad_(grad), k, v)
 
-    assert takes(16, 1) and takes(16, 5) and takes(1, 9) and takes(1, 21)
-    assert not takes(16, 9) and not takes(1, 22) and not takes(1, 1, D=72) and not takes(1, 1, grad=True)
+    assert takes(16, 1) and takes(16, 5) and takes(1, 9) and takes(1, 21) and takes(4, 9) and takes(3, 21)
+    assert not takes(16, 9) and not takes(1, 22) and not takes(2, 22) and not takes(1, 1, D=72) and not takes(1, 1, grad=True)
     q, k, v, mask = case(4, 9, 3, 1, 40, 64, torch.float32)
     q.requires_grad_(True)
     out = attend(q, k, v, grouped_mask(mask, 3))
