@@ -4,6 +4,7 @@ import torch
 
 from conftest import make_tiny_hf
 from flexdraft.core.config import RuntimeConfig
+from flexdraft.models.attention import CAUSAL_MIN_TOKENS
 from flexdraft.models.loading import load_model
 
 CPU32 = RuntimeConfig(device="cpu", dtype="float32", threads=1)
@@ -31,13 +32,15 @@ def incremental_logits(model, seqs: torch.Tensor, n_prefill: int) -> torch.Tenso
                          ids=["llama", "qwen2", "qwen3", "llama-rope-llama3", "llama-attn-bias"])
 @torch.inference_mode()
 def test_tiny_logits_equal_transformers_prefill_and_decode(tmp_path, arch, overrides):
-    """fp32, tiny random configs: prefill 9 tokens + 7 cached decode steps match HF's full forward to 1e-5."""
+    """fp32, tiny random configs: a prefill under a mask (9 tokens) or causal without one (CAUSAL_MIN_TOKENS) +
+    cached decode steps match HF's full forward to 1e-5."""
     hf = make_tiny_hf(arch, tmp_path, **overrides)
     ours = load_model(tmp_path, CPU32, with_tokenizer=False).model
-    seqs = torch.randint(3, hf.config.vocab_size, (3, 16), generator=torch.Generator().manual_seed(1))
-    expected = hf(seqs).logits
-    got = incremental_logits(ours, seqs, n_prefill=9)
-    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    for n_prefill in (9, CAUSAL_MIN_TOKENS):
+        seqs = torch.randint(3, hf.config.vocab_size, (3, n_prefill + 7), generator=torch.Generator().manual_seed(1))
+        expected = hf(seqs).logits
+        got = incremental_logits(ours, seqs, n_prefill=n_prefill)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
 @torch.inference_mode()

@@ -50,6 +50,10 @@ _KERNEL_CHOICE: dict[tuple, str] = {}
 # path's fp32 scores grow as T x S (a 444-token prefill of 4 rows took 2.5 s against SDPA's 1.8 s in bf16 on an
 # AVX512-BF16 EPYC, while at 56-121 tokens the two were within noise).
 SDPA_MIN_TOKENS = 256
+# A forward of this many tokens per row from position 0 over nothing cached (a prefill) attends causally: SDPA's
+# causal kernel skips the blocks above the diagonal and builds no mask (bf16, 2-6 rows of 120-444 tokens: 0.62-0.64x
+# the time of the same attention under a bool mask, outputs equal). Below, decode-sized kernels take it.
+CAUSAL_MIN_TOKENS = 32
 
 
 def cpu_attention_kernel(args: ModelArgs, dtype: torch.dtype) -> str:
@@ -84,7 +88,8 @@ def cpu_attention_kernel(args: ModelArgs, dtype: torch.dtype) -> str:
 
 def attend(q, keys, values, mask):
     """q [B, H, T, D], keys/values [B, Hkv, S, D]; mask: bool from `grouped_mask` (SDPA) or an additive bias from
-    `grouped_bias` (the bf16-on-CPU path), both [B, 1, H/Hkv*T, S] -> [B, H, T, D].
+    `grouped_bias` (the bf16-on-CPU path), both [B, 1, H/Hkv*T, S], or None: causal over S = T keys, the query
+    tokens' own (a prefill, `CAUSAL_MIN_TOKENS`) -> [B, H, T, D].
 
     Decode steps and short verifies on CPU run the C++ kernel `decode_attention` (`kernels.use_decode_attention`
     says when): SDPA's CPU kernel tiles for long query blocks, and with a few query rows per head its overhead
@@ -95,6 +100,8 @@ def attend(q, keys, values, mask):
     enable_gqa's heads, whose CPU kernel reads each key/value head once per query head (a bf16 9-token verify at 16
     rows: 0.90-0.97x the forward's time). A single row keeps enable_gqa: grouped, its Hkv heads leave SDPA too few
     tasks for its threads (a 9-token verify at 1 row: 1.02-1.05x the time grouped)."""
+    if mask is None:
+        return F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=True)
     if kernels.use_decode_attention(q, keys, values):
         return torch.ops.flexdraft.decode_attention(q, keys, values, mask)
     if mask.dtype != torch.bool:

@@ -22,7 +22,14 @@ import torch.nn.functional as F
 
 from flexdraft.core.hardware import probe
 from flexdraft.models import kernels
-from flexdraft.models.attention import SDPA_MIN_TOKENS, attend, cpu_attention_kernel, grouped_bias, grouped_mask
+from flexdraft.models.attention import (
+    CAUSAL_MIN_TOKENS,
+    SDPA_MIN_TOKENS,
+    attend,
+    cpu_attention_kernel,
+    grouped_bias,
+    grouped_mask,
+)
 from flexdraft.models.config import ModelArgs
 
 
@@ -460,22 +467,29 @@ class Transformer(nn.Module):
         [B, T] (default: pos; a token tree puts siblings at one position in different slots).
 
         span: cache slots attended to (default: up to the largest position). mask [B, T, S]: True = visible;
-        default: slot <= the query's position (causal over the row's own prefix). sdpa: this call on SDPA even
-        where the model takes the math path (`math_attention`); a call of SDPA_MIN_TOKENS or more per row always is.
+        default: slot <= the query's position (causal over the row's own prefix; for a prefill of CAUSAL_MIN_TOKENS
+        or more, SDPA's causal kernel without a mask). sdpa: this call on SDPA even where the model takes the math
+        path (`math_attention`); a call of SDPA_MIN_TOKENS or more per row always is.
         """
         if span is None:
             span = int(pos.max()) + 1
-        if mask is None:
-            mask = torch.arange(span, device=pos.device) <= pos[..., None]  # [B, T, S]
-        mask = mask[:, None]  # [B, 1, T, S]: the same for every head
-        sdpa = sdpa or tokens.shape[1] >= SDPA_MIN_TOKENS  # a long prefill: SDPA's tiles, not T x S fp32 scores
-        # once for all layers
-        mask = grouped_mask(mask, self.args.n_heads // self.args.n_kv_heads) if sdpa else self.attention_mask(mask)
+        T = tokens.shape[1]
+        # a prefill (positions 0..T-1 at slots 0..T-1, nothing else attended): `attend`'s causal SDPA, no mask
+        causal = (mask is None and slots is None and span == T >= CAUSAL_MIN_TOKENS
+                  and bool((pos == torch.arange(T, device=pos.device)).all()))
+        if not causal:
+            if mask is None:
+                mask = torch.arange(span, device=pos.device) <= pos[..., None]  # [B, T, S]
+            mask = mask[:, None]  # [B, 1, T, S]: the same for every head
+            sdpa = sdpa or T >= SDPA_MIN_TOKENS  # a long prefill: SDPA's tiles, not T x S fp32 scores
+            # once for all layers
+            mask = grouped_mask(mask, self.args.n_heads // self.args.n_kv_heads) if sdpa else self.attention_mask(mask)
         x = self.embed_tokens(tokens)
         cos, sin = self.rope(pos, x.dtype)
         slots = pos if slots is None else slots
         a = self.args
-        if self.stack_params is not None and kernels.use_decoder_stack(x, a.n_heads, a.n_kv_heads, a.head_dim):
+        if (self.stack_params is not None and mask is not None
+                and kernels.use_decoder_stack(x, a.n_heads, a.n_kv_heads, a.head_dim)):
             # the layers below as one C++ call, op for op the same kernels (a decode step: no interpreter per op)
             x = torch.ops.flexdraft.decoder_stack(x, cos, sin, mask, slots, span, cache.k, cache.v,
                                                   self.stack_params, a.rms_norm_eps, a.n_heads, a.n_kv_heads,
