@@ -4,7 +4,8 @@ process (both forms are the same loaded model):
 - `--lever amx`: the linear layers' few-row GEMMs on AMX tiles (`Linear.tiles`, C++ `amx_linear`) against oneDNN's
   prepacked GEMM (a single row: the one-row GEMV); `kernels.AMX_MAX_ROWS` = 0 sends every GEMM the old way. The
   layers run in Python in both forms.
-- `--lever stack`: the layers as one C++ call (`decoder_stack`) against the Python layers on the same kernels.
+- `--lever stack`: the layers as one C++ call (`decoder_stack`) against the Python layers on the same kernels
+  (bf16, or `--dtype float32`, where its GEMMs are oneDNN's and F.linear's).
 
 1. whole target forwards per shape (rows x tokens over S cached tokens), alternating, median of each;
 2. whole generations (16 GSM8K prompts, greedy, 64 new tokens) in AR and adaptive at batch 1 and 16, alternating:
@@ -99,16 +100,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lever", choices=LEVERS, required=True)
     ap.add_argument("--drafter", required=True)
+    ap.add_argument("--dtype", default="bfloat16", help="bfloat16, or float32 for --lever stack")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("--json")
     args = ap.parse_args()
-    assert kernels.amx_available(), "no AMX tiles here (a bf16 AMX CPU with the C++ kernels built)"
+    assert args.dtype == "bfloat16" or args.lever == "stack", "AMX tiles are bf16 only"
+    assert kernels.load() and (args.dtype == "float32" or kernels.amx_available()), "no AMX tiles or kernels here"
     FORMS = LEVERS[args.lever]
-    runtime = RuntimeConfig(device="cpu", dtype="bfloat16", threads=2)
+    runtime = RuntimeConfig(device="cpu", dtype=args.dtype, threads=2)
     fw = forwards(runtime, args.reps)
     gen = generations(runtime, args.drafter, args.pairs)
-    print(f"\nbf16, 2 threads; forwards: median of {args.reps} alternating pairs\n")
+    print(f"\n{args.dtype}, 2 threads; forwards: median of {args.reps} alternating pairs\n")
     print(f"| rows x tokens, cached | {FORMS[0]} ms | {FORMS[1]} ms | ratio |")
     print("|---|---|---|---|")
     for r in fw:
@@ -124,7 +127,7 @@ def main() -> None:
               f" {r['same_outputs']}/16 | {ar} |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"dtype": "bfloat16", "lever": args.lever, "forwards": fw, "generations": gen}, f, indent=1)
+            json.dump({"dtype": args.dtype, "lever": args.lever, "forwards": fw, "generations": gen}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -198,16 +198,22 @@ def test_a_bf16_verify_computes_what_one_token_steps_compute(tmp_path):
     assert torch.equal(verify, torch.cat(steps, dim=1))
 
 
-@pytest.mark.skipif(not kernels.amx_available(), reason="a CPU without AMX-BF16")
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_the_cpp_decoder_stack_computes_what_the_python_layers_compute(tmp_path, arch):
-    """bf16 at SmolLM2's widths (qwen2: with q/k/v biases): decode steps of ragged rows and a batch-1 verify through
-    `decoder_stack` give bitwise the logits and cache of the Python layers on the same kernels; a prefill (more
-    rows than the tiles take) stays in Python. Qwen3's per-head q/k norm has no C++ body: its layers stay in Python."""
+@pytest.mark.parametrize("arch,form", [("llama", "bf16-amx"), ("qwen2", "bf16-amx"), ("llama", "bf16-onednn"),
+                                       ("llama", "fp32"), ("qwen3", "fp32")])
+def test_the_cpp_decoder_stack_computes_what_the_python_layers_compute(tmp_path, monkeypatch, arch, form):
+    """At SmolLM2's widths (qwen2: with q/k/v biases), decode steps of ragged rows, a single row and a batch-1
+    verify through `decoder_stack` give bitwise the logits and cache of the Python layers on the same kernels, with
+    every GEMM path the stack has: AMX tiles (bf16), oneDNN's packed copy and the one-row GEMV (bf16 with the tiles
+    off), packed and F.linear (fp32, one row on F.linear here); a prefill (more rows than the stack takes) stays in
+    Python. Qwen3's per-head q/k norm has no C++ body: its layers stay in Python."""
+    if form == "bf16-amx" and not kernels.amx_available():
+        pytest.skip("a CPU without AMX-BF16")
+    if form == "bf16-onednn":
+        monkeypatch.setattr(kernels, "AMX_MAX_ROWS", 0)
     make_tiny_hf(arch, tmp_path, hidden_size=576, intermediate_size=1536, num_attention_heads=9,
                  num_key_value_heads=3, head_dim=64)
-    model = load_model(tmp_path, RuntimeConfig(device="cpu", dtype="bfloat16", threads=1),
-                       with_tokenizer=False).model
+    dtype = "float32" if form == "fp32" else "bfloat16"
+    model = load_model(tmp_path, RuntimeConfig(device="cpu", dtype=dtype, threads=1), with_tokenizer=False).model
     if arch == "qwen3":
         assert model.stack_params is None
         return
@@ -220,17 +226,20 @@ def test_the_cpp_decoder_stack_computes_what_the_python_layers_compute(tmp_path,
         cache, out = model.new_cache(3, 64), []
         model(seqs[:, :30], torch.arange(30).expand(3, 30), cache)  # 90 rows: Python
         cache.lens[:] = torch.tensor([30, 27, 29])
-        for t in range(30, 34):  # 3 rows of 1 token
+        for t in range(30, 33):  # 3 rows of 1 token
             out.append(model.logits(model(seqs[:, t:t + 1], cache.next_positions(1), cache)))
             cache.lens += 1
-        one = cache.rows(0, 1)  # row 0 verifies 6 tokens
-        out.append(model.logits(model(seqs[:1, 34:40], one.next_positions(6), one)).view(1, -1, 96).expand(3, -1, -1))
+        one = cache.rows(0, 1)  # row 0 alone: a step, then a verify of 6 tokens
+        out.append(model.logits(model(seqs[:1, 33:34], one.next_positions(1), one)).expand(3, -1, -1))
+        one.lens += 1
+        out.append(model.logits(model(seqs[:1, 34:40], one.next_positions(6), one)).expand(3, -1, -1))
         return torch.cat(out, dim=1), [k.clone() for k in cache.k]
 
     params = model.stack_params
-    x = torch.zeros(3, 1, 576, dtype=torch.bfloat16)
+    x = torch.zeros(3, 1, 576, dtype=model.dtype)
     with torch.inference_mode():
         assert kernels.use_decoder_stack(x, 9, 3, 64) and not kernels.use_decoder_stack(x.expand(3, 30, -1), 9, 3, 64)
+        assert model.stack_paths(x[:1]) is not None and model.stack_paths(x) is not None
     (logits, keys), (want, want_keys) = run(params), run(None)
     assert torch.equal(logits, want) and all(torch.equal(a, b) for a, b in zip(keys, want_keys))
 

@@ -7,7 +7,8 @@ from pathlib import Path
 VERSIONS = ("flexdraft", "torch", "ray", "deepspeed", "transformers", "mlflow", "datasets", "safetensors")
 ENV_VARS = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "OMP_NUM_THREADS",
             "CUDA_VISIBLE_DEVICES", "DS_ACCELERATOR", "RAY_ADDRESS", "MLFLOW_TRACKING_URI", "FLEXDRAFT_HOME",
-            "FLEXDRAFT_CPU_KERNELS", "FLEXDRAFT_CPU_GEMV", "FLEXDRAFT_CPU_AMX", "FLEXDRAFT_KERNELS_DIR")
+            "FLEXDRAFT_CPU_KERNELS", "FLEXDRAFT_CPU_GEMV", "FLEXDRAFT_CPU_AMX",
+            "FLEXDRAFT_CPU_STACK", "FLEXDRAFT_KERNELS_DIR")
 
 
 def env_report(model: str) -> dict:

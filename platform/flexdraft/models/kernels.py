@@ -40,6 +40,8 @@ _ISA_FLAGS = {
 DECODE_MAX_ROWS, SINGLE_MAX_ROWS, DECODE_MAX_TOKENS = 16, 64, 64
 # amx_linear takes up to this many rows (a decode step, a small verify); beyond, oneDNN's prepacked GEMM
 AMX_MAX_ROWS = 64
+# decoder_stack takes forwards of up to this many rows (B x T): beyond, the interpreter's share is small
+STACK_MAX_ROWS = 64
 
 
 def cache_dir() -> Path:
@@ -61,9 +63,10 @@ VARIANTS = [("AVX2", False), ("AVX512", False), ("AVX512", True)]  # (ISA, with 
 
 def build_plan(isa: str, gemv: bool) -> tuple[list[Path], list[str]]:
     """The sources and compiler flags of one variant."""
-    sources, flags = [CSRC / "decode_attention.cpp", CSRC / "fused_ops.cpp"], list(_ISA_FLAGS[isa])
+    sources = [CSRC / "decode_attention.cpp", CSRC / "fused_ops.cpp", CSRC / "decoder_stack.cpp"]
+    flags = list(_ISA_FLAGS[isa])
     if gemv:  # with the AMX GEMM: it is run only where the CPU and the kernel grant AMX (`amx_available`)
-        sources += [CSRC / "gemv_bf16.cpp", CSRC / "linear_amx.cpp", CSRC / "decoder_stack.cpp"]
+        sources += [CSRC / "gemv_bf16.cpp", CSRC / "linear_amx.cpp"]
         flags += ["-mavx512bf16", "-mamx-tile", "-mamx-bf16"]
     return sources, flags
 
@@ -135,13 +138,17 @@ def decode_attention_fits(B: int, T: int, H: int, Hkv: int, D: int) -> bool:
             and D % 16 == 0 and D <= 128)  # whole vectors of 16 (AVX-512) or 8 (AVX2) floats, at most 16 of them
 
 
+def stack_wanted() -> bool:
+    """FLEXDRAFT_CPU_STACK=0 leaves the decoder layers in Python (`Transformer.decoder_stack_params`)."""
+    return os.environ.get("FLEXDRAFT_CPU_STACK", "1") != "0"
+
+
 def use_decoder_stack(x: torch.Tensor, H: int, Hkv: int, D: int) -> bool:
-    """Whether a forward of embedded tokens x [B, T, d] runs its layers as one C++ call (`decoder_stack`): where
-    every op of its body takes a kernel (inference on CPU, rows for the AMX tiles and for decode_attention), so
-    the call computes what the Python layers would. `Transformer.to_runtime` decides whether the model can at all
-    (bf16 on AMX, every GEMM tiled, no per-head q/k norm)."""
+    """Whether a forward of embedded tokens x [B, T, d] can run its layers as one C++ call (`decoder_stack`): where
+    every op of its body takes a kernel (inference on CPU, decode_attention's shapes, up to STACK_MAX_ROWS rows), so
+    the call computes what the Python layers would. `Transformer.stack_paths` adds the GEMMs' paths."""
     B, T = x.shape[0], x.shape[1]
-    return B * T <= AMX_MAX_ROWS and decode_attention_fits(B, T, H, Hkv, D) and x.is_contiguous() and fused(x)
+    return B * T <= STACK_MAX_ROWS and decode_attention_fits(B, T, H, Hkv, D) and x.is_contiguous() and fused(x)
 
 
 def fused(*tensors: torch.Tensor) -> bool:

@@ -146,6 +146,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 ONE_ROW_PATHS = ("packed", "pair", "linear", "gemv")
+STACK_PATHS = {"amx": 0, "packed": 1, "linear": 2, "gemv": 3}  # the GEMM paths C++ decoder_stack takes, its numbers
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, one_row: str) -> torch.Tensor:
@@ -221,20 +222,31 @@ class Linear(nn.Linear):
         """Back to F.linear on `weight` (drops the packed copies)."""
         self.packed = self.tiles = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (self.tiles is not None and x.numel() <= kernels.AMX_MAX_ROWS * x.shape[-1] and x.is_contiguous()
-                and kernels.fused(x)):
-            return torch.ops.flexdraft.amx_linear(x, self.tiles, self.bias, self.out_features)
-        if self.packed is None or (self.one_row == "linear" and x.numel() == x.shape[-1]):
-            return F.linear(x, self.weight, self.bias)
-        if self.one_row == "gemv" and x.numel() == x.shape[-1]:
+    def path(self, x: torch.Tensor) -> str:
+        """How x [..., in] goes through this layer: "amx" (the tiles), "linear" (F.linear on `weight`), "gemv"
+        (a bf16 row, C++ `gemv_bf16`), or "packed" / "pair" (the oneDNN-packed copy; see `one_row_path`)."""
+        rows = x.numel() // x.shape[-1]
+        if self.tiles is not None and rows <= kernels.AMX_MAX_ROWS and x.is_contiguous() and kernels.fused(x):
+            return "amx"
+        if self.packed is None:
+            return "linear"
+        if rows != 1:
+            return "packed"
+        if self.one_row == "gemv":
             if x.dtype == torch.bfloat16 and x.is_contiguous() and kernels.fused(x) and kernels.gemv_available():
-                return torch.ops.flexdraft.gemv_bf16(x, self.weight, self.bias)
-            path = one_row_path(x.dtype, with_kernels=False)  # the kernels off: the fastest other path
-            if path == "linear":
-                return F.linear(x, self.weight, self.bias)
-            return packed_linear(x, self.packed, self.bias, path)
-        return packed_linear(x, self.packed, self.bias, self.one_row)
+                return "gemv"
+            return one_row_path(x.dtype, with_kernels=False)  # the kernels off: the fastest other path
+        return self.one_row
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        path = self.path(x)
+        if path == "amx":
+            return torch.ops.flexdraft.amx_linear(x, self.tiles, self.bias, self.out_features)
+        if path == "gemv":
+            return torch.ops.flexdraft.gemv_bf16(x, self.weight, self.bias)
+        if path == "linear":
+            return F.linear(x, self.weight, self.bias)
+        return packed_linear(x, self.packed, self.bias, path)
 
     @staticmethod
     def concat(linears: list[Linear], pack: str | None) -> Linear:
@@ -426,20 +438,29 @@ class Transformer(nn.Module):
         return self
 
     def decoder_stack_params(self) -> list[torch.Tensor | None] | None:
-        """The C++ `decoder_stack`'s params, 10 per layer (norms, AMX tiles and biases of the fused q/k/v, o, the
-        fused gate/up and down), where every GEMM of every layer has its tiles and no layer norms q/k per head;
-        else None (the layers run in Python)."""
-        params = []
+        """The C++ `decoder_stack`'s params, 18 per layer (the two norms' weights; weight, packed copy, tiles and bias
+        of the fused q/k/v, o, the fused gate/up and down), where every layer has its GEMMs fused and prepacked
+        alike and no per-head q/k norm; else, or with FLEXDRAFT_CPU_STACK=0, None (the layers run in Python)."""
+        if not kernels.stack_wanted():
+            return None
+        params, kinds = [], set()
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             if attn.qkv is None or mlp.gate_up is None or attn.q_norm is not None:
                 return None
-            qkv, o, gate_up, down = attn.qkv.linear, attn.o_proj, mlp.gate_up.linear, mlp.down_proj
-            if any(m.tiles is None for m in (qkv, o, gate_up, down)):
-                return None
-            params += [layer.input_layernorm.weight, qkv.tiles, qkv.bias, o.tiles, o.bias,
-                       layer.post_attention_layernorm.weight, gate_up.tiles, gate_up.bias, down.tiles, down.bias]
-        return params
+            linears = (attn.qkv.linear, attn.o_proj, mlp.gate_up.linear, mlp.down_proj)
+            kinds.add(tuple((m.packed is None, m.tiles is None, m.one_row) for m in linears))
+            params += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            params += [t for m in linears for t in (m.weight, m.packed, m.tiles, m.bias)]
+        return params if len(kinds) == 1 and self.layers[0].self_attn.o_proj.packed is not None else None
+
+    def stack_paths(self, x: torch.Tensor) -> list[int] | None:
+        """How the stack's four GEMMs run for x [B, T, d] (`Linear.path`, as decoder_stack numbers them), or None
+        where one takes a path the stack does not have ("pair"). Every layer's are alike (`decoder_stack_params`)."""
+        first = self.layers[0]
+        linears = (first.self_attn.qkv.linear, first.self_attn.o_proj, first.mlp.gate_up.linear, first.mlp.down_proj)
+        paths = [STACK_PATHS.get(m.path(x)) for m in linears]
+        return None if None in paths else paths
 
     def attention_mask(self, mask: torch.Tensor) -> torch.Tensor:
         """bool [B, 1, T, S] (True = visible) -> what this model's attention takes (`attend`): its rows grouped by
@@ -488,12 +509,14 @@ class Transformer(nn.Module):
         cos, sin = self.rope(pos, x.dtype)
         slots = pos if slots is None else slots
         a = self.args
-        if (self.stack_params is not None and mask is not None
-                and kernels.use_decoder_stack(x, a.n_heads, a.n_kv_heads, a.head_dim)):
+        stack = (self.stack_params is not None and mask is not None
+                 and kernels.use_decoder_stack(x, a.n_heads, a.n_kv_heads, a.head_dim))
+        paths = self.stack_paths(x) if stack else None
+        if paths is not None:
             # the layers below as one C++ call, op for op the same kernels (a decode step: no interpreter per op)
             x = torch.ops.flexdraft.decoder_stack(x, cos, sin, mask, slots, span, cache.k, cache.v,
-                                                  self.stack_params, a.rms_norm_eps, a.n_heads, a.n_kv_heads,
-                                                  a.head_dim)
+                                                  self.stack_params, paths, a.rms_norm_eps, a.n_heads,
+                                                  a.n_kv_heads, a.head_dim)
         else:
             for i, layer in enumerate(self.layers):
                 x = layer(x, cos, sin, mask, cache.writer(i, slots, span))

@@ -1,16 +1,17 @@
 // Every decoder layer of a forward in one call, for decode steps and small verifies on CPU:
-//   torch.ops.flexdraft.decoder_stack(x, cos, sin, mask, slots, span, k_cache, v_cache, params, eps, n_heads,
-//                                     n_kv_heads, head_dim) -> x after the last layer
-// x [B, T, d] bf16 (the embedded tokens); cos, sin, mask, slots and span as `Transformer.forward` makes them;
-// k_cache / v_cache: the cache's per-layer [B, Hkv, max_len, D] tensors (written at `slots`); params: 10 per layer,
-// input norm, qkv tiles, qkv bias, o tiles, o bias, post-attention norm, gate/up tiles, gate/up bias, down tiles,
-// down bias (tiles from amx_pack, biases None where the layer has none).
+//   torch.ops.flexdraft.decoder_stack(x, cos, sin, mask, slots, span, k_cache, v_cache, params, paths, eps,
+//                                     n_heads, n_kv_heads, head_dim) -> x after the last layer
+// x [B, T, d] (the embedded tokens); cos, sin, mask, slots and span as `Transformer.forward` makes them; k_cache /
+// v_cache: the cache's per-layer [B, Hkv, max_len, D] tensors (written at `slots`); params: 18 per layer, the input
+// and post-attention norms' weights, then for the fused q/k/v, o, the fused gate/up and down each: weight, its
+// oneDNN-packed copy, its AMX tiles, bias (None where absent); paths: how each of those four GEMMs runs at these
+// rows (`Linear.path`: 0 AMX tiles, 1 the packed copy, 2 F.linear on the weight, 3 the bf16 GEMV).
 //
-// The body is `DecoderLayer.forward` on the kernels it takes at these sizes, op for op (rms_norm, amx_linear, rope,
+// The body is `DecoderLayer.forward` on the kernels it takes at these sizes, op for op (rms_norm, the GEMM, rope,
 // write_kv, decode_attention, add_rms_norm, silu_mul, then the residual add), called through the dispatcher as
 // Python calls them, so the result is bitwise the Python loop's. Why: at decode sizes the interpreter's per-op and
-// per-module cost was a fifth of a forward (a batch-1 step: 18.2 ms in Python, 14.1 ms here). Built with the AMX
-// GEMM; `Transformer.forward` says when it applies (`kernels.use_decoder_stack`).
+// per-module cost was a fifth of a forward (a batch-1 bf16 step: 18.2 ms in Python, 14.1 ms here).
+// `Transformer.forward` says when it applies (`kernels.use_decoder_stack`, `Transformer.stack_paths`).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -23,17 +24,45 @@ namespace {
 
 using at::Tensor;
 using OptTensor = std::optional<Tensor>;
-constexpr int64_t PER_LAYER = 10, NB = 32;  // params per layer; outputs per amx_pack block
+constexpr int64_t PER_LAYER = 18;
+enum Path : int64_t { AMX = 0, PACKED = 1, LINEAR = 2, GEMV = 3 };
 
 template <typename Signature>
-c10::TypedOperatorHandle<Signature> op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+c10::TypedOperatorHandle<Signature> op(const char* name, const char* overload = "") {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, overload).typed<Signature>();
+}
+
+// x [..., K] through one linear layer (p: weight, packed, tiles, bias) the way `Linear.forward` takes `path`; the
+// ops are looked up on first use (the AMX and GEMV ones exist only in builds for CPUs that have them)
+Tensor linear(const Tensor& x, const OptTensor* p, int64_t path) {
+  const Tensor& weight = *p[0];
+  const int64_t N = weight.size(0);
+  switch (path) {
+    case AMX: {
+      static const auto amx = op<Tensor(const Tensor&, const Tensor&, const OptTensor&, int64_t)>("flexdraft::amx_linear");
+      return amx.call(x, *p[2], p[3], N);
+    }
+    case PACKED: {
+      static const auto packed =
+          op<Tensor(const Tensor&, const Tensor&, const OptTensor&, c10::string_view, c10::List<std::optional<c10::Scalar>>,
+                    std::optional<c10::string_view>)>("mkldnn::_linear_pointwise");
+      return packed.call(x, *p[1], p[3], "none", c10::List<std::optional<c10::Scalar>>(), "");
+    }
+    case LINEAR:
+      return at::linear(x, weight, p[3]);
+    case GEMV: {
+      static const auto gemv = op<Tensor(const Tensor&, const Tensor&, const OptTensor&)>("flexdraft::gemv_bf16");
+      return gemv.call(x, weight, p[3]);
+    }
+    default:
+      TORCH_CHECK(false, "decoder_stack: unknown GEMM path ", path);
+  }
 }
 
 Tensor decoder_stack(const Tensor& embedded, const Tensor& cos, const Tensor& sin, const Tensor& mask,
                      const Tensor& slots, int64_t span, const std::vector<Tensor>& k_cache,
-                     const std::vector<Tensor>& v_cache, const c10::List<OptTensor>& params, double eps,
-                     int64_t H, int64_t Hkv, int64_t D) {
+                     const std::vector<Tensor>& v_cache, const c10::List<OptTensor>& params,
+                     c10::IntArrayRef paths, double eps, int64_t H, int64_t Hkv, int64_t D) {
   static const auto rms_norm = op<Tensor(const Tensor&, const Tensor&, double)>("flexdraft::rms_norm");
   static const auto add_rms_norm =
       op<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, double)>("flexdraft::add_rms_norm");
@@ -43,34 +72,30 @@ Tensor decoder_stack(const Tensor& embedded, const Tensor& cos, const Tensor& si
       op<void(Tensor&, Tensor&, const Tensor&, const Tensor&, const Tensor&)>("flexdraft::write_kv");
   static const auto attention =
       op<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&)>("flexdraft::decode_attention");
-  static const auto linear = op<Tensor(const Tensor&, const Tensor&, const OptTensor&, int64_t)>("flexdraft::amx_linear");
 
   const int64_t L = static_cast<int64_t>(k_cache.size());
   TORCH_CHECK(embedded.dim() == 3 && embedded.is_contiguous() && static_cast<int64_t>(v_cache.size()) == L &&
-                  static_cast<int64_t>(params.size()) == PER_LAYER * L,
+                  static_cast<int64_t>(params.size()) == PER_LAYER * L && paths.size() == 4,
               "decoder_stack: x [B, T, d] contiguous, a k and v cache per layer and ", PER_LAYER,
-              " params per layer; got x ", embedded.sizes(), ", ", L, " k, ", v_cache.size(), " v, ", params.size(),
-              " params");
-  const int64_t B = embedded.size(0), T = embedded.size(1), d = embedded.size(2);
-  const auto at_ = [&](int64_t l, int64_t i) -> OptTensor { return params.get(l * PER_LAYER + i); };
+              " params per layer and 4 paths; got x ", embedded.sizes(), ", ", L, " k, ", v_cache.size(), " v, ",
+              params.size(), " params");
+  const int64_t B = embedded.size(0), T = embedded.size(1);
   Tensor x = embedded;
+  std::vector<OptTensor> p(PER_LAYER);
   for (int64_t l = 0; l < L; ++l) {
-    const Tensor down = *at_(l, 8);
-    const int64_t intermediate = down.size(1) / NB;  // down's tiles: [blocks of d, I * 32]
+    for (int64_t i = 0; i < PER_LAYER; ++i) p[i] = params.get(l * PER_LAYER + i);
+    const OptTensor *qkv = &p[2], *o = &p[6], *gate_up = &p[10], *down = &p[14];
     // attention: Attention.project (q, k, v in one GEMM, rope over q's and k's heads at once), the cache write, the
     // decode attention (its output laid out [B, T, H, D]) and o_proj
-    const Tensor heads = linear.call(rms_norm.call(x, *at_(l, 0), eps), *at_(l, 1), at_(l, 2), (H + 2 * Hkv) * D)
-                             .view({B, T, H + 2 * Hkv, D})
-                             .transpose(1, 2);
+    const Tensor heads = linear(rms_norm.call(x, *p[0], eps), qkv, paths[0]).view({B, T, H + 2 * Hkv, D}).transpose(1, 2);
     const Tensor qk = rope.call(heads.narrow(1, 0, H + Hkv), cos, sin);
     Tensor k_layer = k_cache[l], v_layer = v_cache[l];
     write_kv.call(k_layer, v_layer, slots, qk.narrow(1, H, Hkv), heads.narrow(1, H + Hkv, Hkv));
     const Tensor y = attention.call(qk.narrow(1, 0, H), k_layer.narrow(2, 0, span), v_layer.narrow(2, 0, span), mask);
-    const Tensor o = linear.call(y.transpose(1, 2).reshape({B, T, H * D}), *at_(l, 3), at_(l, 4), d);
+    const Tensor out = linear(y.transpose(1, 2).reshape({B, T, H * D}), o, paths[1]);
     // the residual and the norm after it, then the MLP and its residual
-    auto [residual, h] = add_rms_norm.call(x, o, *at_(l, 5), eps);
-    const Tensor up = linear.call(h, *at_(l, 6), at_(l, 7), 2 * intermediate);
-    x = residual + linear.call(silu_mul.call(up), down, at_(l, 9), d);
+    auto [residual, h] = add_rms_norm.call(x, out, *p[1], eps);
+    x = residual + linear(silu_mul.call(linear(h, gate_up, paths[2])), down, paths[3]);
   }
   return x;
 }
@@ -79,7 +104,11 @@ Tensor decoder_stack(const Tensor& embedded, const Tensor& cos, const Tensor& si
 
 TORCH_LIBRARY_FRAGMENT(flexdraft, m) {
   m.def("decoder_stack(Tensor x, Tensor cos, Tensor sin, Tensor mask, Tensor slots, int span, Tensor[] k_cache, "
-        "Tensor[] v_cache, Tensor?[] params, float eps, int n_heads, int n_kv_heads, int head_dim) -> Tensor");
+        "Tensor[] v_cache, Tensor?[] params, int[] paths, float eps, int n_heads, int n_kv_heads, int head_dim) "
+        "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(flexdraft, CPU, m) { m.impl("decoder_stack", &decoder_stack); }
+
+// the oneDNN-packed weights among the params are MkldnnCPU tensors, which dispatch the call here
+TORCH_LIBRARY_IMPL(flexdraft, MkldnnCPU, m) { m.impl("decoder_stack", &decoder_stack); }
