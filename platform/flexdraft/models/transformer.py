@@ -146,7 +146,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 ONE_ROW_PATHS = ("packed", "pair", "linear", "gemv")
-STACK_PATHS = {"amx": 0, "packed": 1, "linear": 2, "gemv": 3}  # the GEMM paths C++ decoder_stack takes, its numbers
+STACK_PATHS = {"amx": 0, "packed": 1, "linear": 2, "gemv": 3, "pair": 4}  # `Linear.path` -> C++ decoder_stack's
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, one_row: str) -> torch.Tensor:
@@ -454,13 +454,12 @@ class Transformer(nn.Module):
             params += [t for m in linears for t in (m.weight, m.packed, m.tiles, m.bias)]
         return params if len(kinds) == 1 and self.layers[0].self_attn.o_proj.packed is not None else None
 
-    def stack_paths(self, x: torch.Tensor) -> list[int] | None:
-        """How the stack's four GEMMs run for x [B, T, d] (`Linear.path`, as decoder_stack numbers them), or None
-        where one takes a path the stack does not have ("pair"). Every layer's are alike (`decoder_stack_params`)."""
+    def stack_paths(self, x: torch.Tensor) -> list[int]:
+        """How the stack's four GEMMs run for x [B, T, d] (`Linear.path`, as decoder_stack numbers them); every
+        layer's are alike (`decoder_stack_params`)."""
         first = self.layers[0]
         linears = (first.self_attn.qkv.linear, first.self_attn.o_proj, first.mlp.gate_up.linear, first.mlp.down_proj)
-        paths = [STACK_PATHS.get(m.path(x)) for m in linears]
-        return None if None in paths else paths
+        return [STACK_PATHS[m.path(x)] for m in linears]
 
     def attention_mask(self, mask: torch.Tensor) -> torch.Tensor:
         """bool [B, 1, T, S] (True = visible) -> what this model's attention takes (`attend`): its rows grouped by
@@ -509,14 +508,12 @@ class Transformer(nn.Module):
         cos, sin = self.rope(pos, x.dtype)
         slots = pos if slots is None else slots
         a = self.args
-        stack = (self.stack_params is not None and mask is not None
-                 and kernels.use_decoder_stack(x, a.n_heads, a.n_kv_heads, a.head_dim))
-        paths = self.stack_paths(x) if stack else None
-        if paths is not None:
+        if (self.stack_params is not None and mask is not None
+                and kernels.use_decoder_stack(x, a.n_heads, a.n_kv_heads, a.head_dim)):
             # the layers below as one C++ call, op for op the same kernels (a decode step: no interpreter per op)
             x = torch.ops.flexdraft.decoder_stack(x, cos, sin, mask, slots, span, cache.k, cache.v,
-                                                  self.stack_params, paths, a.rms_norm_eps, a.n_heads,
-                                                  a.n_kv_heads, a.head_dim)
+                                                  self.stack_params, self.stack_paths(x), a.rms_norm_eps,
+                                                  a.n_heads, a.n_kv_heads, a.head_dim)
         else:
             for i, layer in enumerate(self.layers):
                 x = layer(x, cos, sin, mask, cache.writer(i, slots, span))

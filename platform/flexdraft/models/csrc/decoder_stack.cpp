@@ -5,7 +5,8 @@
 // v_cache: the cache's per-layer [B, Hkv, max_len, D] tensors (written at `slots`); params: 18 per layer, the input
 // and post-attention norms' weights, then for the fused q/k/v, o, the fused gate/up and down each: weight, its
 // oneDNN-packed copy, its AMX tiles, bias (None where absent); paths: how each of those four GEMMs runs at these
-// rows (`Linear.path`: 0 AMX tiles, 1 the packed copy, 2 F.linear on the weight, 3 the bf16 GEMV).
+// rows (`Linear.path`: 0 AMX tiles, 1 the packed copy, 2 F.linear on the weight, 3 the bf16 GEMV, 4 one row as
+// two through the packed copy).
 //
 // The body is `DecoderLayer.forward` on the kernels it takes at these sizes, op for op (rms_norm, the GEMM, rope,
 // write_kv, decode_attention, add_rms_norm, silu_mul, then the residual add), called through the dispatcher as
@@ -25,7 +26,7 @@ namespace {
 using at::Tensor;
 using OptTensor = std::optional<Tensor>;
 constexpr int64_t PER_LAYER = 18;
-enum Path : int64_t { AMX = 0, PACKED = 1, LINEAR = 2, GEMV = 3 };
+enum Path : int64_t { AMX = 0, PACKED = 1, LINEAR = 2, GEMV = 3, PAIR = 4 };
 
 template <typename Signature>
 c10::TypedOperatorHandle<Signature> op(const char* name, const char* overload = "") {
@@ -42,11 +43,19 @@ Tensor linear(const Tensor& x, const OptTensor* p, int64_t path) {
       static const auto amx = op<Tensor(const Tensor&, const Tensor&, const OptTensor&, int64_t)>("flexdraft::amx_linear");
       return amx.call(x, *p[2], p[3], N);
     }
-    case PACKED: {
+    case PACKED:
+    case PAIR: {
       static const auto packed =
           op<Tensor(const Tensor&, const Tensor&, const OptTensor&, c10::string_view, c10::List<std::optional<c10::Scalar>>,
                     std::optional<c10::string_view>)>("mkldnn::_linear_pointwise");
-      return packed.call(x, *p[1], p[3], "none", c10::List<std::optional<c10::Scalar>>(), "");
+      const auto run = [&](const Tensor& rows) {
+        return packed.call(rows, *p[1], p[3], "none", c10::List<std::optional<c10::Scalar>>(), "");
+      };
+      if (path == PACKED) return run(x);
+      const Tensor row = x.reshape({1, x.size(-1)});  // one row as two, then the first (`packed_linear`'s "pair")
+      std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+      shape.back() = N;
+      return run(at::cat({row, row})).narrow(0, 0, 1).view(shape);
     }
     case LINEAR:
       return at::linear(x, weight, p[3]);
