@@ -17,8 +17,8 @@ from flexdraft.drafter.model import Drafter, DrafterConfig
 from flexdraft.engine.ar import generate
 from flexdraft.engine.config import EngineConfig
 from flexdraft.engine.engine import Engine
+from flexdraft.models.linear import Linear
 from flexdraft.models.loading import load_model
-from flexdraft.models.transformer import Linear
 from flexdraft.speculative.sampling import SamplingParams
 
 # what an AVX2-only x86-64 CPU (e.g. an AMD EPYC of family 23) gives oneDNN and ATen, on any x86-64 CPU

@@ -17,8 +17,9 @@ from flexdraft.core.config import RuntimeConfig
 from flexdraft.core.hardware import probe
 from flexdraft.models import kernels, transformer
 from flexdraft.models.attention import attend, grouped_bias, grouped_mask
+from flexdraft.models.linear import Linear
 from flexdraft.models.loading import load_model
-from flexdraft.models.transformer import Linear, apply_rope
+from flexdraft.models.transformer import apply_rope
 
 # the kernels need a C++ compiler and AVX2 or AVX-512; on such a machine a failed build fails this file's first test
 BUILDABLE = bool(shutil.which(os.environ.get("CXX", "c++"))) and probe().cpu_isa in ("AVX512", "AVX2")

@@ -172,7 +172,7 @@ def test_every_one_row_path_computes_the_linear(dtype):
     has one), a single row's output is F.linear's up to summation order, and so are several rows' (always through the
     packed GEMM)."""
     from flexdraft.core.hardware import probe
-    from flexdraft.models.transformer import ONE_ROW_PATHS, Linear, one_row_path
+    from flexdraft.models.linear import ONE_ROW_PATHS, Linear, one_row_path
 
     if not probe().can_prepack(dtype):
         pytest.skip(f"oneDNN cannot prepack {dtype} here")

@@ -29,7 +29,8 @@ import torch.nn.functional as F
 
 from flexdraft.core.errors import FlexDraftError
 from flexdraft.models.config import ModelArgs
-from flexdraft.models.transformer import Attention, KVCache, Linear, Transformer
+from flexdraft.models.linear import Linear
+from flexdraft.models.transformer import Attention, KVCache, Transformer
 
 FORMAT = "flexdraft-drafter/3"  # 2: the calibration MLP normalises its inputs; 3: a known bonus takes the target's path
 WEIGHTS, META = "drafter.safetensors", "drafter.json"

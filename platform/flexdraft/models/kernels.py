@@ -1,6 +1,6 @@
 """The C++ CPU kernels in csrc/ (torch.ops.flexdraft.*), built once per machine and cached, and whether to use them:
-the decode attention, the fused elementwise ops and, on CPUs with AVX512-BF16, the one-row bf16 GEMV and (where
-there is AMX) the few-row bf16 GEMM on AMX tiles.
+the decode attention, the fused elementwise ops, the decoder layers of a decode step as one call, and, on CPUs with
+AVX512-BF16, the one-row bf16 GEMV and (where there is AMX) the few-row bf16 GEMM on AMX tiles.
 
 Built with torch.utils.cpp_extension for the instruction set torch dispatches to here (`probe().cpu_isa`: AVX512 or
 AVX2, with ATen's vector types at that level) into $FLEXDRAFT_KERNELS_DIR or ~/.cache/flexdraft/kernels, in a folder
