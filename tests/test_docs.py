@@ -125,6 +125,7 @@ def span(values: list[str]) -> str:
 DEMO, DEMO_RUN = RESULTS / "2026-12-02-demo" / "results.md", RESULTS / "2026-12-02-demo" / "README.md"
 PEERS = RESULTS / "2026-12-06-peers"
 KERNELS = RESULTS / "2026-12-06-kernels"
+AMX = RESULTS / "2026-12-07-amx"
 SERVE, HTTP = RESULTS / "2026-12-04-serve" / "README.md", RESULTS / "2026-12-05-http" / "README.md"
 HEADLINE_ROWS = {  # the README's headline table row -> the harness's method
     "`transformers` `generate` (same weights)": "hf-generate", "`transformers` prompt lookup": "hf-prompt-lookup",
@@ -140,11 +141,12 @@ def readme_figures() -> list[tuple[str, tuple, tuple]]:
               for r in table(ROOT / "README.md", "method", "batch 1", "batch 4", "batch 16")}
     demo = summary(DEMO, "**Speed-up over our AR, mean over the datasets**")
     fp32 = summary(PEERS / "fp32" / "results.md", "**Speed-up over our AR, mean over the datasets**")
-    vs_peer = {dt: summary(PEERS / dt / "results.md", "**Speed-up over the best peer") for dt in ("bf16", "fp32")}
-    xeon = summary(KERNELS / "peers-bf16" / "results.md", "**Speed-up over the best peer")
+    xeon = summary(AMX / "peers-bf16" / "results.md", "**Speed-up over the best peer")
     paired = {dt: [f"{r['speedup']:.2f}x" for run in runs for r in json.loads((KERNELS / run).read_text())["generations"]]
               for dt, runs in (("bf16", ("ab-bfloat16.json", "ab-bfloat16-run2.json", "ab-bfloat16-run3.json")),
                                ("fp32", ("ab-float32.json",)))}
+    step = {lever: [f"{r['speedup']:.2f}x" for r in json.loads((AMX / f"ab-{lever}.json").read_text())["generations"]]
+            for lever in ("amx", "stack", "stack-float32")}
     served = table(SERVE, "concurrency", "learned / AR")
     http = table(HTTP, "concurrency", "learned / AR")
     shares = {(r["mode"], r["side"]): r["share of offline"] for r in table(HTTP, "mode", "side", "tok/s")}
@@ -164,13 +166,18 @@ def readme_figures() -> list[tuple[str, tuple, tuple]]:
          tuple(map(str, mismatched(PEERS / "fp32" / "results.md", "adaptive")))),
         ("fp32 speed-ups", said(r"adaptive gave ([\d.]+x?) / ([\d.]+x?) at batch 1 / 16 against a ([\d.]+x?) / ([\d.]+x?) control"),
          (*fp32["adaptive"], *fp32["ar-control"])),
-        ("beside vLLM", said(r"our AR is ([\d.]+x?) / ([\d.]+x?) \(bf16\) and ([\d.]+x?) / ([\d.]+x?) \(fp32\) of vLLM's best mode at batch 1 / 16,"
-                             r" adaptive ([\d.]+x?) / ([\d.]+x?) and ([\d.]+x?) / ([\d.]+x?)"),
-         (*vs_peer["bf16"]["ar"], *vs_peer["fp32"]["ar"], *vs_peer["bf16"]["adaptive"], *vs_peer["fp32"]["adaptive"])),
         ("beside vLLM on the Xeon", said(r"On the Intel Xeon with AMX \(bf16, C\+\+ kernels\): our AR ([\d.]+x) / ([\d.]+x), "
                                          r"adaptive ([\d.]+x) / ([\d.]+x)"), (*xeon["ar"], *xeon["adaptive"])),
         ("the C++ kernels, paired", said(r"the kernels alone, paired: ([\d.]+-[\d.]+)x tok/s in bf16, ([\d.]+-[\d.]+)x in fp32"),
          (span(paired["bf16"]), span(paired["fp32"]))),
+        ("AMX tiles and the C++ layer stack, paired",
+         said(r"then AMX tiles ([\d.]+-[\d.]+)x and the C\+\+ layer stack ([\d.]+-[\d.]+)x \(bf16; ([\d.]+-[\d.]+)x in fp32\)"),
+         (span(step["amx"]), span(step["stack"]), span(step["stack-float32"]))),
+        ("bf16 rows on AMX", said(r"and (\d+) of (\d+) adaptive rows differed from AR's beside vLLM on the Xeon"),
+         tuple(map(str, mismatched(AMX / "peers-bf16" / "results.md", "adaptive")))),
+        ("served beside vLLM on the Xeon", said(r"([\d.]+x) / ([\d.]+x) / ([\d.]+x) / ([\d.]+x) of vLLM's tok/s at "
+                                                r"concurrency 1 / 4 / 8 / 16"),
+         tuple(r["FlexDraft / vLLM"] for r in table(AMX / "README.md", "concurrency", "FlexDraft tok/s", "vLLM tok/s"))),
         ("served, 2026-12-04", said(r"gave ([\d.]+x) at concurrency 1 and ([\d.]+-[\d.]+)x at 2-16, where AR against itself moved ([\d.]+-[\d.]+)x"),
          (served[0]["learned / AR"], span([r["learned / AR"] for r in served[1:]]),
           span([r["ar2 / AR (noise)"] for r in served[1:]]))),
@@ -188,7 +195,7 @@ def test_each_readme_figure_equals_its_results_file():
     wrong = [f"{claim}: the README says {readme}, its results file {source}"
              for claim, readme, source in figures if readme != source]
     assert not wrong, "\n".join(wrong)
-    assert len(figures) == 13
+    assert len(figures) == 15
 
 
 def test_config_paths_in_documented_commands_exist():
