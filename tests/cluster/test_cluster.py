@@ -114,6 +114,34 @@ def test_bad_cluster_config_is_one_line(tmp_path):
         assert proc.returncode == 2 and msg in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_a_node_whose_ray_start_timed_out_is_started_again(tmp_path, monkeypatch):
+    """`ray start` gives up after 30 s without its raylet registered (a busy machine): the node is started again, its
+    first session ended; a node that fails otherwise is not retried and the error names its log."""
+    cfg = cluster.load_cluster_config(_config(tmp_path))
+    state = cluster.State(cfg)
+    spawned, spawn = [], cluster._spawn
+
+    def fake_spawn(state, name, cmd, env, address, outcomes):
+        spawned.append(name)
+        script = outcomes[len(spawned) - 1]
+        return spawn(state, name, ["sh", "-c", script], env, address)
+
+    def run(outcomes):
+        spawned.clear()
+        monkeypatch.setattr(cluster, "_spawn", lambda *a: fake_spawn(*a, outcomes=outcomes))
+        monkeypatch.setattr(cluster, "ray_nodes", lambda cfg: [{"node_name": cfg.ray.nodes[0].name, "state": "ALIVE"}]
+                            if len(spawned) == 2 else [])
+        return cluster._start_node(cfg, state, 0)
+
+    timeout = "echo 'Exception: The current node timed out during startup.'; exit 1"
+    proc = run([timeout, "sleep 60"])  # the second start joins
+    assert len(spawned) == 2 and proc.alive()
+    cluster._end(state, proc, force=True)
+    with pytest.raises(cluster.FlexDraftError, match="(?s)did not join the cluster.*port is taken"):
+        run(["echo 'port is taken'; exit 1", "sleep 60"])
+    assert len(spawned) == 1
+
+
 # ------------------------------------------------------------------------------ workloads on the cluster
 
 def _submit(cfg, entrypoint: list[str], tmp_path: Path, wait: bool = True) -> str:

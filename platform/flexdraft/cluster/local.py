@@ -312,6 +312,9 @@ def _start_mlflow(cfg: ClusterConfig, state: State) -> Proc:
                          f"its log {state.log('mlflow')} ends:\n{_tail(state.log('mlflow'))}")
 
 
+NODE_START_ATTEMPTS = 3
+
+
 def _start_node(cfg: ClusterConfig, state: State, i: int) -> Proc:
     r, node = cfg.ray, cfg.ray.nodes[i]
     cmd = [str(BIN / "ray"), "start", "--block", "--node-name", node.name, "--num-cpus", str(node.num_cpus),
@@ -328,15 +331,23 @@ def _start_node(cfg: ClusterConfig, state: State, i: int) -> Proc:
                 "--ray-client-server-port", str(r.client_server_port)]
     else:
         cmd += ["--address", f"{cfg.host}:{r.port}"]
-    proc = _spawn(state, node.name, cmd, _node_env(cfg, node), f"{cfg.host}:{r.port}")
-    deadline = time.time() + 180
-    while time.time() < deadline and proc.alive():
-        if any(n.get("node_name") == node.name and n.get("state") == "ALIVE" for n in ray_nodes(cfg)):
-            return proc
-        time.sleep(1)
-    _end(state, proc, force=True)
-    raise FlexDraftError(f"Ray node {node.name} did not join the cluster; its log {state.log(node.name)} ends:\n"
-                         f"{_tail(state.log(node.name))}")
+    # `ray start` gives up when its raylet has not registered within 30 s (fixed in Ray), which a busy 2-core machine
+    # can exceed: a node whose `ray start` exited that way is started again (its session's leftovers ended first)
+    log = state.log(node.name)
+    for _ in range(NODE_START_ATTEMPTS):
+        start = log.stat().st_size if log.exists() else 0  # this attempt's output begins here (the log appends)
+        proc = _spawn(state, node.name, cmd, _node_env(cfg, node), f"{cfg.host}:{r.port}")
+        deadline = time.time() + 180
+        while time.time() < deadline and proc.alive():
+            if any(n.get("node_name") == node.name and n.get("state") == "ALIVE" for n in ray_nodes(cfg)):
+                return proc
+            time.sleep(1)
+        _end(state, proc, force=True)
+        with open(log, "rb") as f:
+            f.seek(start)
+            if b"timed out during startup" not in f.read():
+                break
+    raise FlexDraftError(f"Ray node {node.name} did not join the cluster; its log {log} ends:\n{_tail(log)}")
 
 
 def up(cfg: ClusterConfig, say=print) -> dict[str, Proc]:
