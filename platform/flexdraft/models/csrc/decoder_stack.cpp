@@ -29,8 +29,8 @@ constexpr int64_t PER_LAYER = 18;
 enum Path : int64_t { AMX = 0, PACKED = 1, LINEAR = 2, GEMV = 3, PAIR = 4 };
 
 template <typename Signature>
-c10::TypedOperatorHandle<Signature> op(const char* name, const char* overload = "") {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, overload).typed<Signature>();
+c10::TypedOperatorHandle<Signature> op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
 }
 
 // x [..., K] through one linear layer (p: weight, packed, tiles, bias) the way `Linear.forward` takes `path`; the
