@@ -49,7 +49,8 @@ def env_report(model: str) -> dict:
         "hardware": {**caps.describe(), "cores_available": str(len(os.sched_getaffinity(0)))},
         "auto": {"device": str(device), "dtype": str(dtype).removeprefix("torch."),
                  "prepack": str(device.type == "cpu" and caps.can_prepack(dtype)), "attention": attention,
-                 "cpu_kernels": (f"C++: decode attention, fused ops{', bf16 GEMV' if kernels.gemv_available() else ''}"
+                 "cpu_kernels": (f"C++: decode attention, fused ops{', decoder stack' if kernels.stack_wanted() else ''}"
+                                 f"{', bf16 GEMV' if kernels.gemv_available() else ''}"
                                  f"{', bf16 AMX tiles' if kernels.amx_available() else ''}"
                                  f" ({caps.cpu_isa}, {kernels.cache_dir()})"
                                  if device.type == "cpu" and kernels.load() else "none (PyTorch ops)"),
