@@ -214,6 +214,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.dim, args.rms_norm_eps)
         self.mlp = MLP(args)
 
+    def gemms(self) -> tuple[Linear, Linear, Linear, Linear]:
+        """Inference, with q/k/v and gate/up fused: the Linears of q/k/v, o, gate/up and down, in the order the C++
+        `decoder_stack` takes them."""
+        return self.self_attn.qkv.linear, self.self_attn.o_proj, self.mlp.gate_up.linear, self.mlp.down_proj
+
     def forward(self, x, cos, sin, mask, kv, attn=None):
         """x [B, T, d] -> [B, T, d]: attention and MLP, each with its residual; the one layer body that the
         target's forward, the drafter's block pass and the engine's parallel pass all run.
@@ -303,7 +308,7 @@ class Transformer(nn.Module):
             attn, mlp = layer.self_attn, layer.mlp
             if attn.qkv is None or mlp.gate_up is None or attn.q_norm is not None:
                 return None
-            linears = (attn.qkv.linear, attn.o_proj, mlp.gate_up.linear, mlp.down_proj)
+            linears = layer.gemms()
             kinds.add(tuple((m.packed is None, m.tiles is None, m.one_row) for m in linears))
             params += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
             params += [t for m in linears for t in (m.weight, m.packed, m.tiles, m.bias)]
@@ -312,9 +317,7 @@ class Transformer(nn.Module):
     def stack_paths(self, x: torch.Tensor) -> list[int]:
         """How the stack's four GEMMs run for x [B, T, d] (`Linear.path`, as decoder_stack numbers them); every
         layer's are alike (`decoder_stack_params`)."""
-        first = self.layers[0]
-        linears = (first.self_attn.qkv.linear, first.self_attn.o_proj, first.mlp.gate_up.linear, first.mlp.down_proj)
-        return [STACK_PATHS[m.path(x)] for m in linears]
+        return [STACK_PATHS[m.path(x)] for m in self.layers[0].gemms()]
 
     def attention_mask(self, mask: torch.Tensor) -> torch.Tensor:
         """bool [B, 1, T, S] (True = visible) -> what this model's attention takes (`attend`): its rows grouped by
