@@ -9,6 +9,10 @@
 // One task per (row b, key/value head), for its query rows: their scores over the visible keys, a softmax and the
 // weighted sum of the values, in fp32 until the single rounding of the output. Why not SDPA: its CPU flash kernel
 // tiles for long query blocks; with one to a few query rows per head its per-task overhead dominates.
+// Memory bound at decode: it reads each batch row's keys and values up to the last one the row sees (not the
+// batch's span), a block of Vec::size() keys at a time, prefetched ahead; a block's dot products become scores
+// through one transposing sum (`sum_lanes`) rather than a horizontal sum per key. A score's summation order is
+// fixed, so a query row's result does not depend on which rows or tokens come with it.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -19,6 +23,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -27,12 +32,71 @@ namespace {
 using namespace flexdraft_kernels;
 constexpr int kMaxVecs = 16;  // head_dim up to 16 vectors (256 floats with AVX-512, 128 with AVX2)
 constexpr int kMaxRows = 64;  // query rows per key/value head (H/Hkv x T): kernels.SINGLE_MAX_ROWS
+constexpr int64_t kAhead = 16;  // keys (and values) prefetched ahead of the score pass
 
-template <typename E, bool kBoolMask>
+// n elements from p on, a cache line at a time, into L1: each row's prefix is a stream too short for the hardware
+// prefetcher to ramp up on
+template <typename E>
+inline void prefetch(const E* p, int64_t n) {
+  const char* bytes = reinterpret_cast<const char*>(p);
+  for (int64_t i = 0; i < n * static_cast<int64_t>(sizeof(E)); i += 64) __builtin_prefetch(bytes + i);
+}
+
+constexpr int64_t W = Vec::size();  // keys per block
+
+// whether the W bools at p are all true (a block of keys every one of which the row sees)
+inline bool all_true(const bool* p) {
+  uint64_t word;
+  for (int64_t i = 0; i < W; i += 8) {
+    std::memcpy(&word, p + i, 8);
+    if (word != 0x0101010101010101ull) return false;
+  }
+  return true;
+}
+
+// sum_lanes(part)[j] = the sum of part[j]'s lanes, for the W vectors of part: a transpose by shuffles and adds, in
+// a fixed order (a score does not depend on which other keys or rows share its block)
+#if defined(CPU_CAPABILITY_AVX512)
+inline Vec sum_lanes(const Vec* part) {
+  __m512 a[8], c[4], e[2];
+  for (int k = 0; k < 8; ++k) {  // within 128-bit blocks: [p0+p2, q0+q2, p1+p3, q1+q3] of vectors p, q
+    const __m512 p = part[2 * k], q = part[2 * k + 1];
+    a[k] = _mm512_add_ps(_mm512_unpacklo_ps(p, q), _mm512_unpackhi_ps(p, q));
+  }
+  for (int k = 0; k < 4; ++k) {  // each 128-bit block: its sums of vectors 4k..4k+3
+    const __m512d p = _mm512_castps_pd(a[2 * k]), q = _mm512_castps_pd(a[2 * k + 1]);
+    c[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(p, q)), _mm512_castpd_ps(_mm512_unpackhi_pd(p, q)));
+  }
+  for (int k = 0; k < 2; ++k)  // blocks 0+1 and 2+3 of c[2k], then of c[2k+1]
+    e[k] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * k], c[2 * k + 1], 0x88),
+                         _mm512_shuffle_f32x4(c[2 * k], c[2 * k + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(e[0], e[1], 0x88), _mm512_shuffle_f32x4(e[0], e[1], 0xDD));
+}
+#elif defined(CPU_CAPABILITY_AVX2)
+inline Vec sum_lanes(const Vec* part) {
+  __m256 a[4], c[2];
+  for (int k = 0; k < 4; ++k) {
+    const __m256 p = part[2 * k], q = part[2 * k + 1];
+    a[k] = _mm256_add_ps(_mm256_unpacklo_ps(p, q), _mm256_unpackhi_ps(p, q));
+  }
+  for (int k = 0; k < 2; ++k) {
+    const __m256d p = _mm256_castps_pd(a[2 * k]), q = _mm256_castps_pd(a[2 * k + 1]);
+    c[k] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(p, q)), _mm256_castpd_ps(_mm256_unpackhi_pd(p, q)));
+  }
+  return _mm256_add_ps(_mm256_permute2f128_ps(c[0], c[1], 0x20), _mm256_permute2f128_ps(c[0], c[1], 0x31));
+}
+#else
+inline Vec sum_lanes(const Vec* part) {
+  float sums[W];
+  for (int64_t j = 0; j < W; ++j) sums[j] = part[j].reduce_add();
+  return Vec::loadu(sums);
+}
+#endif
+
+template <typename E, bool kBoolMask, int64_t NV>  // NV = D / Vec::size()
 void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask, at::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3);
   const int64_t Hkv = k.size(1), S = k.size(2), g = H / Hkv, R = g * T;
-  const int64_t nv = D / Vec::size();
   const int64_t Sp = (S + Vec::size() - 1) / Vec::size() * Vec::size();
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   const E* qp = q.data_ptr<E>();
@@ -47,48 +111,99 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
   const float* mf = kBoolMask ? nullptr : mask.data_ptr<float>();
   const float neg_inf = -std::numeric_limits<float>::infinity();
 
+  // the keys past the last one any of row b's query rows sees (a shorter row's padding up to the batch's span) are
+  // not read: a decode step over rows of mixed lengths reads each row's own prefix
+  auto visible_end = [&](int64_t b) {
+    int64_t n = 0;
+    for (int64_t r = 0; r < R; ++r) {
+      for (int64_t s = S - 1; s >= n; --s) {
+        const int64_t m = b * msb + r * msr + s * mss;
+        if (kBoolMask ? mb[m] : mf[m] != neg_inf) { n = s + 1; break; }
+      }
+    }
+    return n;
+  };
+
   // one task per (row b, key/value head): each key and value row is converted to fp32 once for all R query rows
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(R * Sp);  // [R, Sp]: scores, then unnormalised probabilities
-    std::vector<Vec> qv(R * nv), acc(R * nv);
+    std::vector<Vec> qv(R * NV), acc(R * NV);
     std::vector<float> mx(R), total(R);
-    Vec kv[kMaxVecs];
+    std::vector<Vec> mxv(R);
+    std::vector<Vec> block(W * NV);  // a block of keys, then of values, in fp32
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / Hkv, hkv = task % Hkv;
       const E* kbase = kp + b * ksb + hkv * ksh;
       const E* vbase = vp + b * vsb + hkv * vsh;
       for (int64_t r = 0; r < R; ++r) {
         const E* qrow = qp + b * qsb + (hkv * g + r / T) * qsh + (r % T) * qst;
-        for (int64_t i = 0; i < nv; ++i) qv[r * nv + i] = loadf(qrow + i * Vec::size()) * Vec(scale);
+        for (int64_t i = 0; i < NV; ++i) qv[r * NV + i] = loadf(qrow + i * Vec::size()) * Vec(scale);
         mx[r] = neg_inf;
+        mxv[r] = Vec(neg_inf);
       }
-      std::fill(scores.begin(), scores.end(), neg_inf);  // masked keys and the padding: exp(-inf) = 0
+      const int64_t n = visible_end(b);
+      const int64_t np = (n + Vec::size() - 1) / Vec::size() * Vec::size();
+      for (int64_t r = 0; r < R; ++r) std::fill_n(&scores[r * Sp], np, neg_inf);  // masked: exp(-inf) = 0
 
-      for (int64_t s = 0; s < S; ++s) {
-        const E* krow = kbase + s * kss;
-        for (int64_t i = 0; i < nv; ++i) kv[i] = loadf(krow + i * Vec::size());
-        for (int64_t r = 0; r < R; ++r) {
-          float bias = 0.0f;
-          if constexpr (kBoolMask) {
-            if (!mb[b * msb + r * msr + s * mss]) continue;
-          } else {
-            bias = mf[b * msb + r * msr + s * mss];
-            if (bias == neg_inf) continue;
-          }
-          const Vec* qr = &qv[r * nv];
-          Vec dot = qr[0] * kv[0];
-          for (int64_t i = 1; i < nv; ++i) dot = at::vec::fmadd(qr[i], kv[i], dot);
-          const float score = dot.reduce_add() + bias;
-          scores[r * Sp + s] = score;
-          mx[r] = score > mx[r] ? score : mx[r];
+      // scores a block of W keys at a time: per query row, each key's dot product as a vector of partial sums,
+      // then one transposing sum turns the block's W vectors into W scores (no horizontal sum per key)
+      for (int64_t s0 = 0; s0 < n; s0 += W) {
+        const int64_t w = std::min<int64_t>(W, n - s0);
+        for (int64_t j = 0; j < w; ++j) {
+          const E* krow = kbase + (s0 + j) * kss;
+          prefetch(krow + kAhead * kss, D);  // the keys and values ahead: each row's prefix is a short stream
+          prefetch(vbase + (s0 + j + kAhead) * vss, D);
+          for (int64_t i = 0; i < NV; ++i) block[j * NV + i] = loadf(krow + i * Vec::size());
         }
+        for (int64_t r = 0; r < R; ++r) {
+          Vec qr[NV];
+          for (int64_t i = 0; i < NV; ++i) qr[i] = qv[r * NV + i];
+          Vec part[W];
+          for (int64_t j = 0; j < w; ++j) {
+            const Vec* kj = &block[j * NV];
+            Vec dot = qr[0] * kj[0];
+            for (int64_t i = 1; i < NV; ++i) dot = at::vec::fmadd(qr[i], kj[i], dot);
+            part[j] = dot;
+          }
+          for (int64_t j = w; j < W; ++j) part[j] = Vec(0.0f);
+          const Vec dots = sum_lanes(part);
+          float* row = &scores[r * Sp + s0];
+          const int64_t m = b * msb + r * msr + s0 * mss;
+          if (w == W && mss == 1 && (kBoolMask ? all_true(mb + m) : true)) {  // a whole block, a dense mask row
+            Vec score = dots;
+            if constexpr (!kBoolMask) {  // an additive bias: -inf stays -inf whatever the dot product
+              const Vec bias = Vec::loadu(mf + m);
+              score = Vec::blendv(dots + bias, Vec(neg_inf), bias == Vec(neg_inf));
+            }
+            score.store(row);
+            mxv[r] = at::vec::maximum(mxv[r], score);
+            continue;
+          }
+          float d[W];
+          dots.store(d);
+          for (int64_t j = 0; j < w; ++j) {
+            float score = neg_inf;
+            if constexpr (kBoolMask) {
+              if (mb[m + j * mss]) score = d[j];
+            } else {
+              if (mf[m + j * mss] != neg_inf) score = d[j] + mf[m + j * mss];
+            }
+            row[j] = score;
+            mx[r] = score > mx[r] ? score : mx[r];
+          }
+        }
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        float lanes[W];
+        mxv[r].store(lanes);
+        for (int64_t j = 0; j < W; ++j) mx[r] = lanes[j] > mx[r] ? lanes[j] : mx[r];
       }
 
       for (int64_t r = 0; r < R; ++r) {  // exp of every score at once
         float* row = &scores[r * Sp];
-        if (mx[r] == neg_inf) { std::fill(row, row + Sp, 0.0f); total[r] = 0.0f; continue; }
+        if (mx[r] == neg_inf) { std::fill_n(row, np, 0.0f); total[r] = 0.0f; continue; }
         Vec sum(0.0f);
-        for (int64_t s = 0; s < Sp; s += Vec::size()) {
+        for (int64_t s = 0; s < np; s += Vec::size()) {
           const Vec e = (Vec::loadu(row + s) - Vec(mx[r])).exp();
           e.store(row + s);
           sum = sum + e;
@@ -96,16 +211,24 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
         total[r] = sum.reduce_add();
       }
 
+      // the weighted sum of the values, a block of W at a time: each row's accumulators stay in registers
       std::fill(acc.begin(), acc.end(), Vec(0.0f));
-      for (int64_t s = 0; s < S; ++s) {
-        const E* vrow = vbase + s * vss;
-        for (int64_t i = 0; i < nv; ++i) kv[i] = loadf(vrow + i * Vec::size());
+      for (int64_t s0 = 0; s0 < n; s0 += W) {
+        const int64_t w = std::min<int64_t>(W, n - s0);
+        for (int64_t j = 0; j < w; ++j) {
+          const E* vrow = vbase + (s0 + j) * vss;
+          for (int64_t i = 0; i < NV; ++i) block[j * NV + i] = loadf(vrow + i * Vec::size());
+        }
         for (int64_t r = 0; r < R; ++r) {
-          const float p = scores[r * Sp + s];
-          if (p == 0.0f) continue;
-          const Vec pv(p);
-          Vec* ar = &acc[r * nv];
-          for (int64_t i = 0; i < nv; ++i) ar[i] = at::vec::fmadd(pv, kv[i], ar[i]);
+          const float* p = &scores[r * Sp + s0];
+          Vec a[NV];
+          for (int64_t i = 0; i < NV; ++i) a[i] = acc[r * NV + i];
+          for (int64_t j = 0; j < w; ++j) {
+            if (p[j] == 0.0f) continue;
+            const Vec pv(p[j]);
+            for (int64_t i = 0; i < NV; ++i) a[i] = at::vec::fmadd(pv, block[j * NV + i], a[i]);
+          }
+          for (int64_t i = 0; i < NV; ++i) acc[r * NV + i] = a[i];
         }
       }
 
@@ -113,7 +236,7 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
         const int64_t h = hkv * g + r / T, t = r % T;
         const Vec inv(total[r] > 0.0f ? 1.0f / total[r] : 0.0f);  // a row that sees no key: zeros
         E* orow = op + ((b * T + t) * H + h) * D;
-        for (int64_t i = 0; i < nv; ++i) storef(orow + i * Vec::size(), acc[r * nv + i] * inv);
+        for (int64_t i = 0; i < NV; ++i) storef(orow + i * Vec::size(), acc[r * NV + i] * inv);
       }
     }
   });
@@ -142,7 +265,14 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
   const bool boolean = mask.scalar_type() == at::kBool;
   dispatch(q.scalar_type(), "decode_attention", [&](auto tag) {
     using E = decltype(tag);
-    boolean ? run<E, true>(q, keys, values, mask, out) : run<E, false>(q, keys, values, mask, out);
+    switch (D / Vec::size()) {  // the head's vectors as a constant: a row's accumulators stay in registers
+      case 1: boolean ? run<E, true, 1>(q, keys, values, mask, out) : run<E, false, 1>(q, keys, values, mask, out); break;
+      case 2: boolean ? run<E, true, 2>(q, keys, values, mask, out) : run<E, false, 2>(q, keys, values, mask, out); break;
+      case 4: boolean ? run<E, true, 4>(q, keys, values, mask, out) : run<E, false, 4>(q, keys, values, mask, out); break;
+      case 8: boolean ? run<E, true, 8>(q, keys, values, mask, out) : run<E, false, 8>(q, keys, values, mask, out); break;
+      case 16: boolean ? run<E, true, 16>(q, keys, values, mask, out) : run<E, false, 16>(q, keys, values, mask, out); break;
+      default: TORCH_CHECK(false, "decode_attention: head_dim ", D, " is not 1, 2, 4, 8 or 16 vectors");
+    }
   });
   return out.transpose(1, 2);
 }
