@@ -5,7 +5,7 @@ import torch
 from conftest import make_tiny_hf
 from flexdraft.core.config import RuntimeConfig
 from flexdraft.core.errors import FlexDraftError
-from flexdraft.engine.ar import generate, length_groups
+from flexdraft.engine.ar import generate
 from flexdraft.models.loading import load_model
 from flexdraft.speculative.sampling import (
     SamplingParams,
@@ -154,15 +154,30 @@ def test_prompt_longer_than_context_is_refused(tmp_path):
         generate(model, [[5, 96]], SamplingParams(max_new_tokens=4))
 
 
-def test_length_groups_cover_all_rows_with_bounded_padding():
-    """Prefill groups are contiguous, cover every row once, and pad at most 10% over their real tokens."""
-    lens = sorted([140, 135, 124, 101, 97, 96, 96, 92, 90, 89, 87, 86, 84, 74, 65, 56], reverse=True)
-    groups = length_groups(lens)
-    assert groups[0][0] == 0 and groups[-1][1] == len(lens)
-    assert all(a[1] == b[0] for a, b in zip(groups, groups[1:]))
-    for start, end in groups:
-        assert lens[start] * (end - start) <= 1.1 * sum(lens[start:end])
-    assert length_groups([7]) == [(0, 1)] and len(length_groups([50] * 8)) == 1
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_packed_prefill_fills_each_row_as_its_prompt_alone_would(tmp_path, monkeypatch, arch):
+    """Ragged prompts prefilled packed side by side, over several forwards (a token budget smaller than the
+    prompts), give each cache row the keys/values and last hidden state of its prompt prefilled alone (fp32; qwen3:
+    per-head q/k norm), touch no slot past a row's length, and set each row's length."""
+    import flexdraft.engine.ar as ar
+
+    make_tiny_hf(arch, tmp_path)
+    model = load_model(tmp_path, RuntimeConfig(device="cpu", dtype="float32"), with_tokenizer=False).model
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (40, 7, 33, 1, 19)]
+    monkeypatch.setattr(ar, "PREFILL_TOKENS", 50)
+    assert ar.prefill_chunks([len(p) for p in prompts], 50) == [(0, 2), (2, 4), (4, 5)]
+    with torch.inference_mode():
+        cache = model.new_cache(len(prompts), 64)
+        h = ar.prefill(model, cache, prompts)
+        assert cache.lens.tolist() == [len(p) for p in prompts]
+        for r, p in enumerate(prompts):
+            alone = model.new_cache(1, 64)
+            h_alone = model(torch.tensor([p]), torch.arange(len(p))[None], alone)[0, -1]
+            assert torch.allclose(h[r], h_alone, atol=1e-5)
+            for mine, ref in zip(cache.k + cache.v, alone.k + alone.v):
+                assert torch.allclose(mine[r, :, :len(p)], ref[0, :, :len(p)], atol=1e-5)
+                assert not mine[r, :, len(p):].any()
 
 
 def test_a_deadline_cuts_running_rows_and_a_future_one_changes_nothing(tmp_path):

@@ -24,39 +24,30 @@ def check_prompts(prompts: list[list[int]], context: int, vocab_size: int) -> No
             raise FlexDraftError(f"prompt {i} has {len(p)} tokens: longer than the model's context of {context}")
 
 
-def length_groups(lens: list[int], max_padding: float = 0.1) -> list[tuple[int, int]]:
-    """Split lengths sorted in descending order into [start, end) runs whose padded size (first length x
-    count) exceeds their real token count by at most `max_padding`."""
-    groups, start, total = [], 0, 0
+# tokens per packed prefill forward: bounds its activations (the MLP's are tokens x 2 x intermediate size) while
+# its GEMMs still see thousands of rows
+PREFILL_TOKENS = 8192
+
+
+def prefill_chunks(lens: list[int], budget: int = PREFILL_TOKENS) -> list[tuple[int, int]]:
+    """Split rows into [start, end) runs of at most `budget` tokens each (a longer prompt is a run of its own)."""
+    chunks, start, total = [], 0, 0
     for i, n in enumerate(lens):
-        if i > start and lens[start] * (i - start + 1) > (1 + max_padding) * (total + n):
-            groups.append((start, i))
+        if i > start and total + n > budget:
+            chunks.append((start, i))
             start, total = i, 0
         total += n
-    groups.append((start, len(lens)))
-    return groups
+    chunks.append((start, len(lens)))
+    return chunks
 
 
 def prefill(model: Transformer, cache: KVCache, prompts: list[list[int]]) -> torch.Tensor:
-    """Prefill cache rows 0..len(prompts)-1 (prompts sorted longest first) and set their lengths; -> the
-    last prompt token's hidden state per row [b, d].
-
-    Groups of similar length (contiguous cache rows) go in one forward each, so little compute goes to
-    padding; pad slots lie beyond each row's length and are never attended to."""
-    device = model.device
+    """Prefill cache rows 0..len(prompts)-1 and set their lengths; -> the last prompt token's hidden state per
+    row [b, d]. The prompts go packed side by side, up to PREFILL_TOKENS per forward (`Transformer.prefill`): no
+    compute goes to padding, and the GEMMs see the prompts' tokens together."""
     lens = [len(p) for p in prompts]
-    h_last = torch.empty(len(prompts), model.args.dim, dtype=model.dtype, device=device)
-    for start, end in length_groups(lens):
-        T = lens[start]
-        tokens = torch.zeros(end - start, T, dtype=torch.long, device=device)
-        for r in range(start, end):
-            tokens[r - start, : lens[r]] = torch.tensor(prompts[r], device=device)
-        pos = torch.arange(T, device=device).expand(end - start, T)
-        h = model(tokens, pos, cache.rows(start, end), span=T)  # [g, T, d]
-        last = torch.tensor(lens[start:end], device=device) - 1
-        h_last[start:end] = h[torch.arange(end - start, device=device), last]
-    cache.lens[: len(prompts)] = torch.tensor(lens, device=device)
-    return h_last
+    h_last = [model.prefill(prompts[start:end], cache.rows(start, end)) for start, end in prefill_chunks(lens)]
+    return torch.cat(h_last)
 
 
 @torch.inference_mode()
@@ -75,7 +66,7 @@ def generate(model: Transformer, prompts: list[list[int]], params: SamplingParam
     device = model.device
     t0 = time.perf_counter()
     B = len(prompts)
-    order = sorted(range(B), key=lambda i: -len(prompts[i]))  # longest first (see prefill)
+    order = sorted(range(B), key=lambda i: -len(prompts[i]))  # longest first: the cache spans the first's
     lens = [len(prompts[i]) for i in order]
     max_len = min(context, lens[0] + params.max_new_tokens)
     cache = model.new_cache(B, max_len)

@@ -7,6 +7,7 @@ Shapes as in `transformer`: q [B, H, T, D], keys/values [B, Hkv, S, D], masks [B
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +57,36 @@ SDPA_MIN_TOKENS = 256
 CAUSAL_MIN_TOKENS = 32
 
 
+@dataclass(frozen=True)
+class Packed:
+    """Sequences side by side in one row (a packed prefill): sequence i is tokens starts[i]..starts[i+1]-1 of the
+    row, at its own positions 0.., and attends causally over its own tokens only. What `attend` takes in place of a
+    mask for such a row; the GEMMs around it see every sequence's tokens at once."""
+    starts: tuple[int, ...]  # len(sequences) + 1 offsets, starts[0] = 0
+
+    @staticmethod
+    def of(lens: list[int]) -> Packed:
+        starts = [0]
+        for n in lens:
+            starts.append(starts[-1] + n)
+        return Packed(tuple(starts))
+
+    def spans(self) -> list[tuple[int, int]]:
+        return list(zip(self.starts[:-1], self.starts[1:]))
+
+
+def attend_packed(q, keys, values, packed: Packed):
+    """q [1, H, N, D], keys/values [1, Hkv, N, D] of sequences packed in one row -> [1, H, N, D] (laid out as
+    [1, N, H, D], so the output projection's input is a view): each sequence's causal attention over its own keys."""
+    _, H, N, D = q.shape
+    out = q.new_empty(1, N, H, D)
+    for s, e in packed.spans():
+        y = F.scaled_dot_product_attention(q[:, :, s:e], keys[:, :, s:e], values[:, :, s:e], is_causal=True,
+                                           enable_gqa=True)
+        out[:, s:e] = y.transpose(1, 2)
+    return out.transpose(1, 2)
+
+
 def cpu_attention_kernel(args: ModelArgs, dtype: torch.dtype) -> str:
     """"sdpa" or "math": whichever attention runs this model's heads faster on this CPU in `dtype`, timed once per
     process and shape (best of 5, ~30 ms in all) over a decode step at 16 rows, a 9-token verify at 1 row
@@ -88,8 +119,9 @@ def cpu_attention_kernel(args: ModelArgs, dtype: torch.dtype) -> str:
 
 def attend(q, keys, values, mask):
     """q [B, H, T, D], keys/values [B, Hkv, S, D]; mask: bool from `grouped_mask` (SDPA) or an additive bias from
-    `grouped_bias` (the bf16-on-CPU path), both [B, 1, H/Hkv*T, S], or None: causal over S = T keys, the query
-    tokens' own (a prefill, `CAUSAL_MIN_TOKENS`) -> [B, H, T, D].
+    `grouped_bias` (the bf16-on-CPU path), both [B, 1, H/Hkv*T, S], None: causal over S = T keys, the query
+    tokens' own (a prefill, `CAUSAL_MIN_TOKENS`), or `Packed`: sequences side by side in one row, each causal over
+    its own keys (a packed prefill) -> [B, H, T, D].
 
     Decode steps and short verifies on CPU run the C++ kernel `decode_attention` (`kernels.use_decode_attention`
     says when): SDPA's CPU kernel tiles for long query blocks, and with a few query rows per head its overhead
@@ -102,6 +134,8 @@ def attend(q, keys, values, mask):
     tasks for its threads (a 9-token verify at 1 row: 1.02-1.05x the time grouped)."""
     if mask is None:
         return F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=True)
+    if isinstance(mask, Packed):
+        return attend_packed(q, keys, values, mask)
     if kernels.use_decode_attention(q, keys, values):
         return torch.ops.flexdraft.decode_attention(q, keys, values, mask)
     if mask.dtype != torch.bool:

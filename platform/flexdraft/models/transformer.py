@@ -24,6 +24,7 @@ from flexdraft.models import kernels
 from flexdraft.models.attention import (
     CAUSAL_MIN_TOKENS,
     SDPA_MIN_TOKENS,
+    Packed,
     attend,
     cpu_attention_kernel,
     grouped_bias,
@@ -70,6 +71,16 @@ class KVCache:
         def kv(k: torch.Tensor, v: torch.Tensor):
             self.write(layer, slots, k, v)
             return self.k[layer][:, :, :span], self.v[layer][:, :, :span]
+        return kv
+
+    def packed_writer(self, layer: int, rows: torch.Tensor, slots: torch.Tensor):
+        """`DecoderLayer`'s kv for a packed prefill (`Transformer.prefill`): key/value j of the row [1, Hkv, N, D]
+        goes to cache row rows[j], slot slots[j], and attention runs over the row's keys/values as they are."""
+        def kv(k: torch.Tensor, v: torch.Tensor):
+            # advanced indices (rows, slots) around a slice put their dim first: [N, Hkv, D]
+            self.k[layer][rows, :, slots] = k[0].transpose(0, 1)
+            self.v[layer][rows, :, slots] = v[0].transpose(0, 1)
+            return k, v
         return kv
 
     def rows(self, start: int, end: int) -> KVCache:
@@ -376,6 +387,24 @@ class Transformer(nn.Module):
             for i, layer in enumerate(self.layers):
                 x = layer(x, cos, sin, mask, cache.writer(i, slots, span))
         return self.norm(x)
+
+    def prefill(self, prompts: list[list[int]], cache: KVCache) -> torch.Tensor:
+        """Prompts into cache rows 0..len(prompts)-1 (slots 0..len-1, lengths set) in one forward over them packed
+        side by side in a row (`Packed`): the GEMMs take every prompt's tokens at once, and each prompt attends over
+        its own -> the last prompt token's final-normed hidden state per row [b, d]."""
+        dev, lens = self.device, [len(p) for p in prompts]
+        packed = Packed.of(lens)
+        tokens = torch.tensor([t for p in prompts for t in p], device=dev)[None]  # [1, N]
+        rows = torch.repeat_interleave(torch.arange(len(lens), device=dev), torch.tensor(lens, device=dev))  # [N]
+        starts = torch.tensor(packed.starts[:-1], device=dev)
+        pos = torch.arange(tokens.shape[1], device=dev) - starts[rows]  # [N]: each prompt's own positions
+        x = self.embed_tokens(tokens)
+        cos, sin = self.rope(pos[None], x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, packed, cache.packed_writer(i, rows, pos))
+        cache.lens[: len(lens)] = torch.tensor(lens, device=dev)
+        last = torch.tensor(packed.starts[1:], device=dev) - 1
+        return self.norm(x[0, last])
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """h [..., d] -> [..., V], as one 2-D GEMM: a strided h of 3+ dims (e.g. draft slots 1..B of blocks)
