@@ -97,13 +97,14 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
     using scalar_t = decltype(tag);
     const scalar_t *xp = x.data_ptr<scalar_t>(), *cp = cos.data_ptr<scalar_t>(), *sp = sin.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, B * H * T, kGrain, [&](int64_t a, int64_t e) {
+    // tasks in (b, t, h) order: a projection's heads of one token lie side by side, so x is read in memory order
+    at::parallel_for(0, B * T * H, kGrain, [&](int64_t a, int64_t e) {
       for (int64_t task = a; task < e; ++task) {
-        const int64_t b = task / (H * T), h = (task / T) % H, t = task % T;
+        const int64_t b = task / (T * H), t = (task / H) % T, h = task % H;
         const scalar_t* xr = xp + b * x.stride(0) + h * x.stride(1) + t * x.stride(2);
         const scalar_t* cr = cp + b * cos.stride(0) + t * cos.stride(2);
         const scalar_t* sr = sp + b * sin.stride(0) + t * sin.stride(2);
-        scalar_t* o = op + task * D;
+        scalar_t* o = op + ((b * H + h) * T + t) * D;
         for (int64_t first : {int64_t{0}, half}) {  // each half: roll(x, D/2)[i] = x[i - D/2 mod D]
           const int64_t other = half - first;
           for (int64_t i = first; i < first + half; i += Vec::size()) {
