@@ -73,13 +73,13 @@ class KVCache:
             return self.k[layer][:, :, :span], self.v[layer][:, :, :span]
         return kv
 
-    def packed_writer(self, layer: int, rows: torch.Tensor, slots: torch.Tensor):
-        """`DecoderLayer`'s kv for a packed prefill (`Transformer.prefill`): key/value j of the row [1, Hkv, N, D]
-        goes to cache row rows[j], slot slots[j], and attention runs over the row's keys/values as they are."""
+    def packed_writer(self, layer: int, packed: Packed):
+        """`DecoderLayer`'s kv for a packed prefill (`Transformer.prefill`): sequence i's keys/values in the row
+        [1, Hkv, N, D] go to cache row i, slots 0.., and attention runs over the row's keys/values as they are."""
         def kv(k: torch.Tensor, v: torch.Tensor):
-            # advanced indices (rows, slots) around a slice put their dim first: [N, Hkv, D]
-            self.k[layer][rows, :, slots] = k[0].transpose(0, 1)
-            self.v[layer][rows, :, slots] = v[0].transpose(0, 1)
+            for i, (s, e) in enumerate(packed.spans()):
+                self.k[layer][i, :, : e - s].copy_(k[0, :, s:e])
+                self.v[layer][i, :, : e - s].copy_(v[0, :, s:e])
             return k, v
         return kv
 
@@ -395,13 +395,11 @@ class Transformer(nn.Module):
         dev, lens = self.device, [len(p) for p in prompts]
         packed = Packed.of(lens)
         tokens = torch.tensor([t for p in prompts for t in p], device=dev)[None]  # [1, N]
-        rows = torch.repeat_interleave(torch.arange(len(lens), device=dev), torch.tensor(lens, device=dev))  # [N]
-        starts = torch.tensor(packed.starts[:-1], device=dev)
-        pos = torch.arange(tokens.shape[1], device=dev) - starts[rows]  # [N]: each prompt's own positions
+        pos = torch.cat([torch.arange(n, device=dev) for n in lens])[None]  # [1, N]: each prompt's own positions
         x = self.embed_tokens(tokens)
-        cos, sin = self.rope(pos[None], x.dtype)
+        cos, sin = self.rope(pos, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, packed, cache.packed_writer(i, rows, pos))
+            x = layer(x, cos, sin, packed, cache.packed_writer(i, packed))
         cache.lens[: len(lens)] = torch.tensor(lens, device=dev)
         last = torch.tensor(packed.starts[1:], device=dev) - 1
         return self.norm(x[0, last])
