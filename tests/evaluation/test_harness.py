@@ -148,7 +148,8 @@ def test_peer_worker_imports_nothing_of_flexdraft():
 def test_vllm_peer_decodes_what_our_ar_decodes(tmp_path, mlflow_uri, real_folder):
     """vLLM (its own venv, `make peer-vllm`) on the same tiny fp32 weights and prompt ids, greedy: its outputs
     equal our AR's row for row at batch 1 and 2, every row has its ratio to the best peer, and the report names
-    the peer's version and flags. (Head dim 64, as SmolLM2's: vLLM's CPU attention takes no smaller.)"""
+    the peer's version and flags, prefix caching off (the harness repeats its prompts; our engine prefills each
+    request). (Head dim 64, as SmolLM2's: vLLM's CPU attention takes no smaller.)"""
     import shutil
 
     from conftest import make_tiny_hf
@@ -169,6 +170,7 @@ def test_vllm_peer_decodes_what_our_ar_decodes(tmp_path, mlflow_uri, real_folder
         assert r["mismatched_rows"] == 0 and r["speedup_peer"] > 0 and r["tokens"] > 0, r
     md = (tmp_path / "out" / "results.md").read_text()
     assert "`vllm` (vLLM 0.32.0" in md and "over the best peer" in md
+    assert '"enable_prefix_caching": false' in md
 
 
 def test_the_progress_estimate_prices_each_batch_size_at_its_own_pace():

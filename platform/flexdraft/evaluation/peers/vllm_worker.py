@@ -2,7 +2,7 @@
 other builds of transformers), so this file imports nothing of flexdraft.
 
     <peer venv>/bin/python vllm_worker.py '{"model": DIR, "dtype": "bfloat16", "speculative": null, "cpus": "0-1",
-                                            "max_model_len": 1024, "max_num_seqs": 16}'
+                                            "max_model_len": 1024, "max_num_seqs": 16, "enable_prefix_caching": false}'
 
 It loads `vllm.LLM` once, prints {"ready": {...}} and then answers one JSON line per request line:
 {"prompts": [[ids]], "batch": b, "max_new_tokens": n, "stop_token_ids": [...]} ->
@@ -35,7 +35,8 @@ def main() -> None:
     out = sys.stdout
     sys.stdout = sys.stderr  # vLLM's own prints must not mix with the protocol
     llm = LLM(model=spec["model"], dtype=spec["dtype"], max_model_len=spec["max_model_len"],
-              max_num_seqs=spec["max_num_seqs"], speculative_config=spec["speculative"], seed=0,
+              max_num_seqs=spec["max_num_seqs"], enable_prefix_caching=spec.get("enable_prefix_caching", True),
+              speculative_config=spec["speculative"], seed=0,
               disable_log_stats=False)  # (the stats hold the speculative counters)
     print(json.dumps({"ready": {"vllm": vllm.__version__}}), file=out, flush=True)
     spent = spec_counts(llm)
