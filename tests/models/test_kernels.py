@@ -75,15 +75,14 @@ def test_a_row_that_sees_no_key_attends_to_nothing():
 
 
 def test_attend_takes_the_kernel_for_few_query_rows_only():
-    """Decode steps and short verifies (up to 16 query rows per key/value head; up to 64 for a single sequence or
-    64 tokens in all) take the kernel; a 9-token verify of 16 rows, autograd and head dims not in whole vectors take
-    PyTorch's ops."""
+    """Decode steps and verifies of up to 64 query rows per key/value head (H/Hkv x tokens) take the kernel, at any
+    batch size; more rows, autograd and head dims not in whole vectors take PyTorch's ops."""
     def takes(B, T, D=64, grad=False):
         q, k, v, _ = case(B, 9, 3, T, 80, D, torch.float32)
         return kernels.use_decode_attention(q.requires_grad_(grad), k, v)
 
-    assert takes(16, 1) and takes(16, 5) and takes(1, 9) and takes(1, 21) and takes(4, 9) and takes(3, 21)
-    assert not takes(16, 9) and not takes(1, 22) and not takes(2, 22) and not takes(1, 1, D=72) and not takes(1, 1, grad=True)
+    assert takes(16, 1) and takes(16, 9) and takes(1, 21) and takes(3, 21) and takes(16, 21)
+    assert not takes(1, 22) and not takes(16, 22) and not takes(1, 1, D=72) and not takes(1, 1, grad=True)
     q, k, v, mask = case(4, 9, 3, 1, 40, 64, torch.float32)
     q.requires_grad_(True)
     out = attend(q, k, v, grouped_mask(mask, 3))

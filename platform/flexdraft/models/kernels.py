@@ -33,11 +33,10 @@ _ISA_FLAGS = {
                "-mavx512dq", "-mfma"],
     "AVX2": ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma", "-mf16c"],
 }
-# decode_attention takes the query rows of a key/value head (H/Hkv x tokens) up to DECODE_MAX_ROWS, and up to
-# SINGLE_MAX_ROWS (the kernel's limit) for a single sequence or DECODE_MAX_TOKENS tokens in all; beyond, SDPA, whose
-# CPU kernel runs the scores as tiled GEMMs (AMX in bf16). bf16 forwards with 27 rows per head, kernel / SDPA: a
-# 9-token verify of 16 rows 1.16x, of 4 rows 0.88x; 8 rows x 8 tokens 0.96x; 1 row 0.95x
-DECODE_MAX_ROWS, SINGLE_MAX_ROWS, DECODE_MAX_TOKENS = 16, 64, 64
+# decode_attention takes up to this many query rows per key/value head (H/Hkv x tokens: the kernel's limit); beyond,
+# SDPA, whose CPU kernel runs the scores as tiled GEMMs. bf16 9-token verifies (27 rows per head) over bench prompts'
+# caches, forward time kernel / SDPA: 0.91-0.97x at 8 and 16 rows, 1.00x at 4
+DECODE_MAX_ROWS = 64
 # amx_linear takes up to this many rows (a decode step, a small verify); beyond, oneDNN's prepacked GEMM
 AMX_MAX_ROWS = 64
 # decoder_stack takes forwards of up to this many rows (B x T): beyond, the interpreter's share is small
@@ -134,8 +133,7 @@ def use_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tens
 def decode_attention_fits(B: int, T: int, H: int, Hkv: int, D: int) -> bool:
     """decode_attention's shapes: B rows of T tokens, H query and Hkv key/value heads of D."""
     rows = H // Hkv * T
-    return (rows <= SINGLE_MAX_ROWS and (B == 1 or rows <= DECODE_MAX_ROWS or B * T <= DECODE_MAX_TOKENS)
-            and D % 16 == 0 and D <= 128)  # whole vectors of 16 (AVX-512) or 8 (AVX2) floats, at most 16 of them
+    return rows <= DECODE_MAX_ROWS and D % 16 == 0 and D <= 128  # whole vectors of 16 (AVX-512) or 8 (AVX2) floats
 
 
 def stack_wanted() -> bool:

@@ -31,7 +31,7 @@ namespace {
 
 using namespace flexdraft_kernels;
 constexpr int kMaxVecs = 16;  // head_dim up to 16 vectors (256 floats with AVX-512, 128 with AVX2)
-constexpr int kMaxRows = 64;  // query rows per key/value head (H/Hkv x T): kernels.SINGLE_MAX_ROWS
+constexpr int kMaxRows = 64;  // query rows per key/value head (H/Hkv x T): kernels.DECODE_MAX_ROWS
 constexpr int64_t kAhead = 16;  // keys (and values) prefetched ahead of the score pass
 
 // n elements from p on, a cache line at a time, into L1: each row's prefix is a stream too short for the hardware
