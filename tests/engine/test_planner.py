@@ -73,7 +73,7 @@ class FakeClock:
 def on_fake_clock(engine: Engine, cost) -> FakeClock:
     """Forwards of `engine` advance a fake clock by cost(kind, rows, tokens per row); the engine times with it."""
     clock = engine.clock = FakeClock()
-    target_logits, draft = engine.target_logits, engine.proposer.forward
+    target_logits, draft = engine.verifier.target_logits, engine.proposer.forward
 
     def timed_target(tokens, pos, cache):
         clock.now += cost("target", *tokens.shape)
@@ -83,7 +83,7 @@ def on_fake_clock(engine: Engine, cost) -> FakeClock:
         clock.now += cost("draft", rows.numel(), Bv + 1)
         return draft(rows, Bv)
 
-    engine.target_logits, engine.proposer.forward = timed_target, timed_draft
+    engine.verifier.target_logits, engine.proposer.forward = timed_target, timed_draft
     return clock
 
 

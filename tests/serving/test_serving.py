@@ -188,7 +188,7 @@ def fail_inside_a_step(e: Engine, monkeypatch, where: str, after_steps: int = 3)
         return True
 
     if where == "forward":
-        real = e.target_logits
+        real = e.verifier.target_logits
 
         def target_logits(tokens, pos, cache):
             logits = real(tokens, pos, cache)
@@ -196,7 +196,7 @@ def fail_inside_a_step(e: Engine, monkeypatch, where: str, after_steps: int = 3)
                 raise RuntimeError("failed after the verify forward")
             return logits
 
-        monkeypatch.setattr(e, "target_logits", target_logits)
+        monkeypatch.setattr(e.verifier, "target_logits", target_logits)
     else:
         real_emit = state.Request.emit
 

@@ -13,9 +13,9 @@ A step hands values from part to part:
      proposer's drafts ride in the plan of a lookup step);
   3. propose: the step's `Drafts`, a token tree per row (a chain: each node hangs from the one before), from the
      drafter (`proposers.DrafterProposer`) or the plan;
-  4. verify [bonus, nodes] per row in one target forward (parallel mode: candidate draft blocks carried through
-     the same forward), `rejection_sample` -> `Verdict`, commit what was accepted, retire finished rows (the last
-     row moves into the freed one) -> `StepOutput`.
+  4. verify [bonus, nodes] per row in one target forward (`verification.Verifier`; parallel mode: candidate draft
+     blocks carried through the same forward), `rejection_sample` -> `Verdict`, commit what was accepted, retire
+     finished rows (the last row moves into the freed one) -> `StepOutput`.
 Lossless: every emitted token is the target's argmax (greedy) or drawn by speculative sampling against
 the target's distribution; the drafts only decide how many of them one forward yields.
 """
@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import torch
 
 from flexdraft.core.errors import ContextTooLong, FieldError, FlexDraftError
-from flexdraft.drafter.model import Drafter, parallel_forward
+from flexdraft.drafter.model import Drafter
 from flexdraft.engine import profiling
 from flexdraft.engine.ar import prefill
 from flexdraft.engine.config import EngineConfig, resolve
@@ -38,6 +38,7 @@ from flexdraft.engine.options import committed_logprobs, emitted_logprobs, proce
 from flexdraft.engine.proposers import DrafterProposer, LookupProposer, ModelFreeProposer, critical_rows
 from flexdraft.engine.state import Request, RowState, count_acceptance, draft_caps, speculating_share
 from flexdraft.engine.stats import IDLE, PREFILL, Recovery, SpecDecodingStats, StepOutput, StepStats
+from flexdraft.engine.verification import Verifier
 from flexdraft.models.transformer import Transformer
 from flexdraft.speculative.branches import branch_anchors
 from flexdraft.speculative.drafts import Chains, Drafts, Mode, Plan, Verdict
@@ -46,7 +47,6 @@ from flexdraft.speculative.lookup import NgramIndex, NgramStore
 from flexdraft.speculative.planner import LOOKUP_MARGIN, Planner
 from flexdraft.speculative.policy_file import Band, Policy
 from flexdraft.speculative.sampling import Generation, SamplingBatch, SamplingParams, make_generator
-from flexdraft.speculative.trees import path_slots, tree_mask
 from flexdraft.speculative.verify import rejection_sample
 
 # the knobs `reconfigure` may change on a live engine (the rest size its buffers or pick its parts)
@@ -99,6 +99,7 @@ class Engine:
         # the proposers (engine/proposers.py): the drafter's drafts; the model-free ones, prompt lookup's first
         self.proposer = DrafterProposer(target, drafter, self.cache, self.state, self.trees, self.timed) \
             if drafter is not None else None
+        self.verifier = Verifier(target, drafter, self.cache, self.state, self.timed)
         self.model_free: list[ModelFreeProposer] = [LookupProposer(self.B, self.store)] if self.lookup else []
         self.model_free += list(proposers)
         self.stats = StepStats(IDLE, 0)  # the step under way (the last one between steps)
@@ -389,7 +390,7 @@ class Engine:
             band = self.band(n)
             anchors = branch_anchors(drafts.probs, band.rho, band.top_m, plan.branches)  # [n, m]
             self.stats.branches = float(anchors.shape[1])
-        logits, hb = self._verify_forward(drafts, lens, anchors)
+        logits, hb = self.verifier.forward(drafts, lens, anchors)
         verdict = rejection_sample(processed(logits, self.slots[:n], drafts), drafts, caps, batch)
         out = self._commit(lens, drafts, verdict, caps, plan.block, logits)
         if hb is not None:
@@ -398,27 +399,6 @@ class Engine:
             self.stats.pruned_misses = misses
             self.pruned_misses += misses
         return out
-
-    def _verify_forward(self, drafts: Drafts, lens: torch.Tensor, anchors: torch.Tensor | None):
-        """-> logits [n, N + 1, V] at [bonus, nodes], and the branches' hidden states [n, m, N + 1, d] (anchors
-        given) or None. A chain is a plain causal forward; a tree's node i goes to cache slot lens + i + 1 and
-        sees the row's prefix and its own path."""
-        n, N, dev = drafts.rows, drafts.nodes, self.target.device
-        tokens = torch.cat((self.state.bonus[:n, None], drafts.tokens), dim=1)  # [n, N + 1]
-        view = self.cache.rows(0, n)
-        if drafts.chain:
-            pos = lens[:, None] + torch.arange(N + 1, device=dev)
-            if anchors is not None:
-                return self.timed("parallel", lambda: self.parallel_logits(tokens, pos, view, anchors), n,
-                                  (N + 1) * (1 + anchors.shape[1]))
-            return self.timed("target", lambda: self.target_logits(tokens, pos, view), n, N + 1), None
-        pos = lens[:, None] + torch.cat((drafts.depth.new_zeros(n, 1), drafts.depth), dim=1)
-        slots = lens[:, None] + torch.arange(N + 1, device=dev)
-        span = int(lens.max()) + N + 1
-        mask = tree_mask(drafts.ancestors, lens, span)  # [n, N + 1, span]
-        logits = self.timed("target", lambda: self.target.logits(
-            self.target(tokens, pos, view, mask=mask, span=span, slots=slots)), n, N + 1)
-        return logits, None
 
     def _commit(self, lens: torch.Tensor, drafts: Drafts, verdict: Verdict, caps: torch.Tensor,
                 block: int, logits: torch.Tensor) -> list[tuple[Request, list[int]]]:
@@ -429,7 +409,7 @@ class Engine:
         n, accepted = drafts.rows, verdict.accepted
         path, src = drafts.tokens, None  # src [n, Bv]: the verify index of each path node (a chain: 1..N)
         if not drafts.chain:
-            path, src = self._move_path(lens, drafts, verdict)
+            path, src = self.verifier.move_path(lens, drafts, verdict)
         logprobs = committed_logprobs(logits, self.slots[:n], path, src, verdict, drafts.nodes)
         self.cache.lens[:n] = lens + accepted + 1
         self.state.bonus[:n] = verdict.bonus
@@ -448,29 +428,6 @@ class Engine:
             lp = logprobs.get(r)
             out.append((req, req.emit(path[r][: acc[r]] + [bonus[r]], lp[: acc[r] + 1] if lp else None)))
         return out
-
-    def _move_path(self, lens: torch.Tensor, drafts: Drafts, verdict: Verdict) -> tuple[torch.Tensor, torch.Tensor]:
-        """A verified tree's accepted path: its nodes' keys/values moved from their slots lens + 1 + i to lens + 1..
-        lens + a, where a chain's would be -> the path's tokens and their verify indices [n, depth] (then, past
-        it, any)."""
-        n, Bv, dev = drafts.rows, drafts.block, self.target.device
-        src = path_slots(drafts.ancestors, verdict.node, verdict.accepted, Bv)  # [n, Bv]: verify indices
-        dst = torch.arange(1, Bv + 1, device=dev).expand(n, Bv)
-        rows = torch.arange(n, device=dev)[:, None]
-        view = self.cache.rows(0, n)
-        for kv in (*view.k, *view.v):  # [n, Hkv, S, D]
-            kv[rows, :, lens[:, None] + dst] = kv[rows, :, lens[:, None] + src]
-        tokens = torch.cat((self.state.bonus[:n, None], drafts.tokens), dim=1)
-        return tokens.gather(1, src.clamp(max=drafts.nodes)), src
-
-    def target_logits(self, tokens, pos, cache) -> torch.Tensor:
-        """[n, T] tokens -> [n, T, V] logits (the LM head is timed with the forward: at batch 1 it is ~15%)."""
-        return self.target.logits(self.target(tokens, pos, cache))
-
-    def parallel_logits(self, tokens, pos, cache, anchors):
-        """-> clean logits [n, T, V], branch hidden states [n, m, T, d]."""
-        h, hb = parallel_forward(self.target, self.drafter, tokens, pos, cache, anchors)
-        return self.target.logits(h), hb
 
     def _retire(self) -> None:
         """Remove finished rows; the last row moves into each freed row (a copy of its cached prefix)."""

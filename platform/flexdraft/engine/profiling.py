@@ -39,9 +39,9 @@ def time_forward(engine, kind: str, n: int, T: int, m: int) -> float:
     tokens = torch.zeros(n, T, dtype=torch.long, device=dev)
     anchors = torch.arange(m, device=dev).expand(n, m)
     view = engine.cache.rows(0, n)
-    runs = {"target": lambda: engine.target_logits(tokens, pos, view),
+    runs = {"target": lambda: engine.verifier.target_logits(tokens, pos, view),
             "draft": lambda: engine.proposer.forward(rows, T - 1),
-            "parallel": lambda: engine.parallel_logits(tokens, pos, view, anchors)}
+            "parallel": lambda: engine.verifier.parallel_logits(tokens, pos, view, anchors)}
     engine.stats = StepStats(PROFILE, n)
     engine.timed(kind, runs[kind])
     return engine.stats.forward_seconds[kind]
