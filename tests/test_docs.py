@@ -116,6 +116,25 @@ def said(pattern: str, doc: str = "README.md") -> tuple[str, ...]:
     return found.groups()
 
 
+def peer_pairs(path: Path, batch: int) -> list[tuple[float, float]]:
+    """(our AR's tok/s, vLLM AR's tok/s) per dataset at one batch size of a harness run's results.json."""
+    tok = {(r["dataset"], r["method"]): r["tok_s"] for r in json.loads(path.read_text())["rows"]
+           if r.get("batch") == batch and "tok_s" in r}
+    return [(tok[d, "ar"], tok[d, "vllm"]) for d, m in tok if m == "ar"]
+
+
+def before_after_span(path: Path) -> str:
+    """'lo-hi' of after / before tok/s over a code | dataset | tok/s table's runs: per dataset, the slowest after
+    over the fastest before, to the fastest after over the slowest before."""
+    runs: dict[tuple[str, str], list[float]] = {}
+    for r in table(path, "code", "dataset", "tok/s"):
+        runs.setdefault((r["code"], r["dataset"]), []).append(float(r["tok/s"]))
+    sets = {d for _, d in runs}
+    lo = min(min(runs["after", d]) / max(runs["before", d]) for d in sets)
+    hi = max(max(runs["after", d]) / min(runs["before", d]) for d in sets)
+    return f"{lo:.2f}-{hi:.2f}"
+
+
 def span(values: list[str]) -> str:
     """'lo-hi' of ratio cells such as ['1.18x', '0.97x']."""
     xs = [float(v.rstrip("x")) for v in values]
@@ -126,6 +145,7 @@ DEMO, DEMO_RUN = RESULTS / "2026-12-02-demo" / "results.md", RESULTS / "2026-12-
 PEERS = RESULTS / "2026-12-06-peers"
 KERNELS = RESULTS / "2026-12-06-kernels"
 AMX = RESULTS / "2026-12-07-amx"
+PREFILL = RESULTS / "2026-12-07-prefill"
 SERVE, HTTP = RESULTS / "2026-12-04-serve" / "README.md", RESULTS / "2026-12-05-http" / "README.md"
 HEADLINE_ROWS = {  # the README's headline table row -> the harness's method
     "`transformers` `generate` (same weights)": "hf-generate", "`transformers` prompt lookup": "hf-prompt-lookup",
@@ -141,7 +161,7 @@ def readme_figures() -> list[tuple[str, tuple, tuple]]:
               for r in table(ROOT / "README.md", "method", "batch 1", "batch 4", "batch 16")}
     demo = summary(DEMO, "**Speed-up over our AR, mean over the datasets**")
     fp32 = summary(PEERS / "fp32" / "results.md", "**Speed-up over our AR, mean over the datasets**")
-    xeon = summary(AMX / "peers-bf16" / "results.md", "**Speed-up over the best peer")
+    xeon = summary(PREFILL / "peers-bf16" / "results.md", "**Speed-up over the best peer")
     paired = {dt: [f"{r['speedup']:.2f}x" for run in runs for r in json.loads((KERNELS / run).read_text())["generations"]]
               for dt, runs in (("bf16", ("ab-bfloat16.json", "ab-bfloat16-run2.json", "ab-bfloat16-run3.json")),
                                ("fp32", ("ab-float32.json",)))}
@@ -174,10 +194,15 @@ def readme_figures() -> list[tuple[str, tuple, tuple]]:
          said(r"then AMX tiles ([\d.]+-[\d.]+)x and the C\+\+ layer stack ([\d.]+-[\d.]+)x \(bf16; ([\d.]+-[\d.]+)x in fp32\)"),
          (span(step["amx"]), span(step["stack"]), span(step["stack-float32"]))),
         ("bf16 rows on AMX", said(r"and (\d+) of (\d+) adaptive rows differed from AR's beside vLLM on the Xeon"),
-         tuple(map(str, mismatched(AMX / "peers-bf16" / "results.md", "adaptive")))),
+         tuple(map(str, mismatched(PREFILL / "peers-bf16" / "results.md", "adaptive")))),
+        ("our AR against vLLM's AR on the Xeon", said(r"our AR ([\d.]+-[\d.]+)x vLLM's AR at batch 1 and ([\d.]+-[\d.]+)x at 16"),
+         tuple(span([f"{ours / theirs:.2f}x" for ours, theirs in peer_pairs(PREFILL / "peers-bf16" / "results.json", b)])
+               for b in (1, 16))),
+        ("attention and the packed prefill, before and after", said(r"the packed prefill, ([\d.]+-[\d.]+)x at batch 16"),
+         (before_after_span(PREFILL / "generations.md"),)),
         ("served beside vLLM on the Xeon", said(r"([\d.]+x) / ([\d.]+x) / ([\d.]+x) / ([\d.]+x) of vLLM's tok/s at "
                                                 r"concurrency 1 / 4 / 8 / 16"),
-         tuple(r["FlexDraft / vLLM"] for r in table(AMX / "README.md", "concurrency", "FlexDraft tok/s", "vLLM tok/s"))),
+         tuple(r["FlexDraft / vLLM"] for r in table(PREFILL / "README.md", "concurrency", "FlexDraft tok/s", "vLLM tok/s"))),
         ("served, 2026-12-04", said(r"gave ([\d.]+x) at concurrency 1 and ([\d.]+-[\d.]+)x at 2-16, where AR against itself moved ([\d.]+-[\d.]+)x"),
          (served[0]["learned / AR"], span([r["learned / AR"] for r in served[1:]]),
           span([r["ar2 / AR (noise)"] for r in served[1:]]))),
@@ -195,7 +220,7 @@ def test_each_readme_figure_equals_its_results_file():
     wrong = [f"{claim}: the README says {readme}, its results file {source}"
              for claim, readme, source in figures if readme != source]
     assert not wrong, "\n".join(wrong)
-    assert len(figures) == 15
+    assert len(figures) == 17
 
 
 def test_config_paths_in_documented_commands_exist():
