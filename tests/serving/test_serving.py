@@ -6,6 +6,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from conftest import make_tiny_hf, ragged_prompts
 from flexdraft.core.config import RuntimeConfig, from_dict
@@ -14,7 +15,7 @@ from flexdraft.drafter.model import Drafter, DrafterConfig
 from flexdraft.engine.config import EngineConfig
 from flexdraft.engine.engine import Engine
 from flexdraft.models.loading import load_model
-from flexdraft.serving.async_engine import AsyncEngine, EngineFailed, EngineUnavailable
+from flexdraft.serving.async_engine import AsyncEngine, EngineFailed, EngineUnavailable, built_apart
 from flexdraft.serving.config import ServeConfig, apply_live
 from flexdraft.serving.openai_api import APIError, TextStream, parse_request
 from flexdraft.speculative.sampling import SamplingParams
@@ -585,3 +586,29 @@ def test_serving_beyond_loopback_fails_closed_without_an_api_key(monkeypatch, ca
     monkeypatch.delenv("FLEXDRAFT_API_KEY", raising=False)
     assert main(["serve", "--host", "0.0.0.0"]) == 2  # before Ray starts (it would exec `serve run` otherwise)
     assert "refusing to serve on 0.0.0.0 without an API key" in capsys.readouterr().err
+
+
+def test_an_engine_built_apart_leaves_no_thread_behind_and_hands_over_its_thread_count():
+    """`built_apart` runs the build on a thread that has ended when it returns (its OpenMP pool gone with it, so the
+    engine thread's is the only one), returns what the build returned, takes the thread count the build set, and
+    raises what the build raised."""
+    seen, before = {}, torch.get_num_threads()
+
+    def build():
+        seen["thread"] = threading.current_thread()
+        torch.set_num_threads(1)
+        torch.ones(4096).cumsum(0)  # (a torch op on the build thread)
+        return "engine"
+
+    try:
+        assert built_apart(build) == "engine"
+        assert seen["thread"] is not threading.current_thread() and not seen["thread"].is_alive()
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+    def fails():
+        raise FlexDraftError("no such drafter")
+
+    with pytest.raises(FlexDraftError, match="no such drafter"):
+        built_apart(fails)

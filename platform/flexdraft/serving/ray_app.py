@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException
 from flexdraft.core import logs
 from flexdraft.core.config import from_dict
 from flexdraft.core.errors import FlexDraftError
-from flexdraft.serving.async_engine import AsyncEngine, Chunk, EngineFailed, EngineUnavailable
+from flexdraft.serving.async_engine import AsyncEngine, Chunk, EngineFailed, EngineUnavailable, built_apart
 from flexdraft.serving.config import ServeConfig, apply_live, build, check_exposure
 from flexdraft.serving.metrics import Metrics
 from flexdraft.serving.middleware import Guard, GuardSettings
@@ -191,7 +191,7 @@ class FlexDraftServer:
         if self.engine is not None:
             log.info("model, drafter, runtime or engine shape changed: building a new engine in this replica")
         try:  # (e.g. a models:/ drafter that is missing, unreachable or for another target: Serve's status says why)
-            lm, engine, note, where = build(cfg)
+            lm, engine, note, where = built_apart(lambda: build(cfg))
         except FlexDraftError as e:
             raise ValueError(f"bad user_config: {e}") from None
         old, old_reporter, self.lm, self.cfg = self.engine, self.reporter, lm, cfg
