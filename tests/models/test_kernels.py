@@ -76,13 +76,14 @@ def test_a_row_that_sees_no_key_attends_to_nothing():
 
 def test_attend_takes_the_kernel_for_few_query_rows_only():
     """Decode steps and verifies of up to 64 query rows per key/value head (H/Hkv x tokens) take the kernel, at any
-    batch size; more rows, autograd and head dims not in whole vectors take PyTorch's ops."""
+    batch size; more rows, autograd and head dims other than 16, 32, 64 and 128 take PyTorch's ops."""
     def takes(B, T, D=64, grad=False):
         q, k, v, _ = case(B, 9, 3, T, 80, D, torch.float32)
         return kernels.use_decode_attention(q.requires_grad_(grad), k, v)
 
     assert takes(16, 1) and takes(16, 9) and takes(1, 21) and takes(3, 21) and takes(16, 21)
-    assert not takes(1, 22) and not takes(16, 22) and not takes(1, 1, D=72) and not takes(1, 1, grad=True)
+    assert not takes(1, 22) and not takes(16, 22) and not takes(1, 1, D=72) and not takes(1, 1, D=96)
+    assert not takes(1, 1, grad=True) and takes(1, 1, D=32) and takes(1, 1, D=128)
     q, k, v, mask = case(4, 9, 3, 1, 40, 64, torch.float32)
     q.requires_grad_(True)
     out = attend(q, k, v, grouped_mask(mask, 3))

@@ -133,7 +133,8 @@ def use_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tens
 def decode_attention_fits(B: int, T: int, H: int, Hkv: int, D: int) -> bool:
     """decode_attention's shapes: B rows of T tokens, H query and Hkv key/value heads of D."""
     rows = H // Hkv * T
-    return rows <= DECODE_MAX_ROWS and D % 16 == 0 and D <= 128  # whole vectors of 16 (AVX-512) or 8 (AVX2) floats
+    # the kernel is compiled for 1, 2, 4, 8 or 16 vectors of 16 (AVX-512) or 8 (AVX2) floats per head
+    return rows <= DECODE_MAX_ROWS and D in (16, 32, 64, 128)
 
 
 def stack_wanted() -> bool:

@@ -11,8 +11,8 @@
 // tiles for long query blocks; with one to a few query rows per head its per-task overhead dominates.
 // Memory bound at decode: it reads each batch row's keys and values up to the last one the row sees (not the
 // batch's span), a block of Vec::size() keys at a time, prefetched ahead; a block's dot products become scores
-// through one transposing sum (`sum_lanes`) rather than a horizontal sum per key. A score's summation order is
-// fixed, so a query row's result does not depend on which rows or tokens come with it.
+// through one transposing sum (vec_io.h's `sum_lanes`) rather than a horizontal sum per key. A score's summation
+// order is fixed, so a query row's result does not depend on which rows or tokens come with it.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -25,6 +25,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -53,45 +54,6 @@ inline bool all_true(const bool* p) {
   }
   return true;
 }
-
-// sum_lanes(part)[j] = the sum of part[j]'s lanes, for the W vectors of part: a transpose by shuffles and adds, in
-// a fixed order (a score does not depend on which other keys or rows share its block)
-#if defined(CPU_CAPABILITY_AVX512)
-inline Vec sum_lanes(const Vec* part) {
-  __m512 a[8], c[4], e[2];
-  for (int k = 0; k < 8; ++k) {  // within 128-bit blocks: [p0+p2, q0+q2, p1+p3, q1+q3] of vectors p, q
-    const __m512 p = part[2 * k], q = part[2 * k + 1];
-    a[k] = _mm512_add_ps(_mm512_unpacklo_ps(p, q), _mm512_unpackhi_ps(p, q));
-  }
-  for (int k = 0; k < 4; ++k) {  // each 128-bit block: its sums of vectors 4k..4k+3
-    const __m512d p = _mm512_castps_pd(a[2 * k]), q = _mm512_castps_pd(a[2 * k + 1]);
-    c[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(p, q)), _mm512_castpd_ps(_mm512_unpackhi_pd(p, q)));
-  }
-  for (int k = 0; k < 2; ++k)  // blocks 0+1 and 2+3 of c[2k], then of c[2k+1]
-    e[k] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * k], c[2 * k + 1], 0x88),
-                         _mm512_shuffle_f32x4(c[2 * k], c[2 * k + 1], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(e[0], e[1], 0x88), _mm512_shuffle_f32x4(e[0], e[1], 0xDD));
-}
-#elif defined(CPU_CAPABILITY_AVX2)
-inline Vec sum_lanes(const Vec* part) {
-  __m256 a[4], c[2];
-  for (int k = 0; k < 4; ++k) {
-    const __m256 p = part[2 * k], q = part[2 * k + 1];
-    a[k] = _mm256_add_ps(_mm256_unpacklo_ps(p, q), _mm256_unpackhi_ps(p, q));
-  }
-  for (int k = 0; k < 2; ++k) {
-    const __m256d p = _mm256_castps_pd(a[2 * k]), q = _mm256_castps_pd(a[2 * k + 1]);
-    c[k] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(p, q)), _mm256_castpd_ps(_mm256_unpackhi_pd(p, q)));
-  }
-  return _mm256_add_ps(_mm256_permute2f128_ps(c[0], c[1], 0x20), _mm256_permute2f128_ps(c[0], c[1], 0x31));
-}
-#else
-inline Vec sum_lanes(const Vec* part) {
-  float sums[W];
-  for (int64_t j = 0; j < W; ++j) sums[j] = part[j].reduce_add();
-  return Vec::loadu(sums);
-}
-#endif
 
 template <typename E, bool kBoolMask, int64_t NV>  // NV = D / Vec::size()
 void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask, at::Tensor& out) {
@@ -265,12 +227,16 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
   const bool boolean = mask.scalar_type() == at::kBool;
   dispatch(q.scalar_type(), "decode_attention", [&](auto tag) {
     using E = decltype(tag);
-    switch (D / Vec::size()) {  // the head's vectors as a constant: a row's accumulators stay in registers
-      case 1: boolean ? run<E, true, 1>(q, keys, values, mask, out) : run<E, false, 1>(q, keys, values, mask, out); break;
-      case 2: boolean ? run<E, true, 2>(q, keys, values, mask, out) : run<E, false, 2>(q, keys, values, mask, out); break;
-      case 4: boolean ? run<E, true, 4>(q, keys, values, mask, out) : run<E, false, 4>(q, keys, values, mask, out); break;
-      case 8: boolean ? run<E, true, 8>(q, keys, values, mask, out) : run<E, false, 8>(q, keys, values, mask, out); break;
-      case 16: boolean ? run<E, true, 16>(q, keys, values, mask, out) : run<E, false, 16>(q, keys, values, mask, out); break;
+    auto go = [&](auto nv) {  // the head's vectors as a constant: a row's accumulators stay in registers
+      constexpr int64_t NV = decltype(nv)::value;
+      boolean ? run<E, true, NV>(q, keys, values, mask, out) : run<E, false, NV>(q, keys, values, mask, out);
+    };
+    switch (D / Vec::size()) {
+      case 1: go(std::integral_constant<int64_t, 1>{}); break;
+      case 2: go(std::integral_constant<int64_t, 2>{}); break;
+      case 4: go(std::integral_constant<int64_t, 4>{}); break;
+      case 8: go(std::integral_constant<int64_t, 8>{}); break;
+      case 16: go(std::integral_constant<int64_t, 16>{}); break;
       default: TORCH_CHECK(false, "decode_attention: head_dim ", D, " is not 1, 2, 4, 8 or 16 vectors");
     }
   });

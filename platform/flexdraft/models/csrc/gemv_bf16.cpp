@@ -13,22 +13,11 @@
 
 #include <optional>
 
+#include "vec_io.h"
+
 namespace {
 
-// 16 vectors of 16 partial sums -> one vector whose lane j is the sum of a[j]'s lanes
-inline __m512 reduce16(const __m512 (&a)[16]) {
-  __m512 b[8], c[4], d[2];
-  for (int i = 0; i < 8; ++i)  // per 128-bit group: (a2i_0+a2i_1, a2i+1_0+a2i+1_1, a2i_2+a2i_3, a2i+1_2+a2i+1_3)
-    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {  // per 128-bit group: the group's partial sums of outputs 4i .. 4i+3
-    const __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
-    c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-  }
-  for (int i = 0; i < 2; ++i)  // groups 0+2 and 1+3 of c[2i], then of c[2i+1]
-    d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x44),
-                         _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xEE));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], 0x88), _mm512_shuffle_f32x4(d[0], d[1], 0xDD));
-}
+using flexdraft_kernels::sum_lanes;
 
 at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 &&
@@ -72,7 +61,7 @@ at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& w, const std::option
             acc[j] = _mm512_dpbf16_ps(acc[j], xv,
                                       (__m512bh)_mm512_maskz_loadu_epi16(tail_mask, wp + (n0 + j) * K + k));
         }
-        __m512 s = reduce16(acc);
+        __m512 s = sum_lanes(acc);
         if (bp) {  // bf16 -> fp32 is a 16-bit shift
           const __m256i b16 = _mm256_maskz_loadu_epi16(out_mask, bp + n0);
           s = _mm512_add_ps(s, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b16), 16)));

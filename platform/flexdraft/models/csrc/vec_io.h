@@ -61,6 +61,48 @@ inline void storef(E* p, const Vec& v, int64_t n) {
 
 inline int64_t chunk(int64_t i, int64_t d) { return std::min<int64_t>(Vec::size(), d - i); }
 
+// sum_lanes(part)[j] = the sum of part[j]'s lanes, for the Vec::size() vectors of part: a transpose by shuffles and
+// adds, in a fixed order (lane j's sum does not depend on the other vectors)
+#if defined(CPU_CAPABILITY_AVX512)
+inline __m512 sum_lanes(const __m512* a) {
+  __m512 b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i)  // per 128-bit group: (a2i_0+a2i_2, a2i+1_0+a2i+1_2, a2i_1+a2i_3, a2i+1_1+a2i+1_3)
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit group: the group's partial sums of vectors 4i .. 4i+3
+    const __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
+    c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  for (int i = 0; i < 2; ++i)  // groups 0+2 and 1+3 of c[2i], then of c[2i+1]
+    d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], 0x88), _mm512_shuffle_f32x4(d[0], d[1], 0xDD));
+}
+inline Vec sum_lanes(const Vec* part) {
+  __m512 a[16];
+  for (int i = 0; i < 16; ++i) a[i] = part[i];
+  return sum_lanes(a);
+}
+#elif defined(CPU_CAPABILITY_AVX2)
+inline Vec sum_lanes(const Vec* part) {
+  __m256 b[4], c[2];
+  for (int i = 0; i < 4; ++i) {
+    const __m256 x = part[2 * i], y = part[2 * i + 1];
+    b[i] = _mm256_add_ps(_mm256_unpacklo_ps(x, y), _mm256_unpackhi_ps(x, y));
+  }
+  for (int i = 0; i < 2; ++i) {
+    const __m256d x = _mm256_castps_pd(b[2 * i]), y = _mm256_castps_pd(b[2 * i + 1]);
+    c[i] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(x, y)), _mm256_castpd_ps(_mm256_unpackhi_pd(x, y)));
+  }
+  return _mm256_add_ps(_mm256_permute2f128_ps(c[0], c[1], 0x20), _mm256_permute2f128_ps(c[0], c[1], 0x31));
+}
+#else
+inline Vec sum_lanes(const Vec* part) {
+  float sums[Vec::size()];
+  for (int64_t j = 0; j < Vec::size(); ++j) sums[j] = part[j].reduce_add();
+  return Vec::loadu(sums);
+}
+#endif
+
 // calls f(E{}) for the model dtypes the kernels take
 template <typename F>
 void dispatch(at::ScalarType dtype, const char* op, F&& f) {
