@@ -6,6 +6,7 @@ Shapes as in `transformer`: q [B, H, T, D], keys/values [B, Hkv, S, D], masks [B
 """
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 
@@ -66,10 +67,7 @@ class Packed:
 
     @staticmethod
     def of(lens: list[int]) -> Packed:
-        starts = [0]
-        for n in lens:
-            starts.append(starts[-1] + n)
-        return Packed(tuple(starts))
+        return Packed((0, *itertools.accumulate(lens)))
 
     def spans(self) -> list[tuple[int, int]]:
         return list(zip(self.starts[:-1], self.starts[1:]))

@@ -31,7 +31,6 @@
 namespace {
 
 using namespace flexdraft_kernels;
-constexpr int kMaxVecs = 16;  // head_dim up to 16 vectors (256 floats with AVX-512, 128 with AVX2)
 constexpr int kMaxRows = 64;  // query rows per key/value head (H/Hkv x T): kernels.DECODE_MAX_ROWS
 constexpr int64_t kAhead = 16;  // keys (and values) prefetched ahead of the score pass
 
@@ -91,7 +90,7 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
     std::vector<float> scores(R * Sp);  // [R, Sp]: scores, then unnormalised probabilities
     std::vector<Vec> qv(R * NV), acc(R * NV);
     std::vector<float> mx(R), total(R);
-    std::vector<Vec> mxv(R);
+    std::vector<Vec> mxv(R);  // each row's running maximum score, lane by lane (mx: its largest lane)
     std::vector<Vec> block(W * NV);  // a block of keys, then of values, in fp32
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / Hkv, hkv = task % Hkv;
@@ -100,7 +99,6 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
       for (int64_t r = 0; r < R; ++r) {
         const E* qrow = qp + b * qsb + (hkv * g + r / T) * qsh + (r % T) * qst;
         for (int64_t i = 0; i < NV; ++i) qv[r * NV + i] = loadf(qrow + i * Vec::size()) * Vec(scale);
-        mx[r] = neg_inf;
         mxv[r] = Vec(neg_inf);
       }
       const int64_t n = visible_end(b);
@@ -151,15 +149,11 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
               if (mf[m + j * mss] != neg_inf) score = d[j] + mf[m + j * mss];
             }
             row[j] = score;
-            mx[r] = score > mx[r] ? score : mx[r];
           }
+          mxv[r] = at::vec::maximum(mxv[r], Vec::loadu(row));  // (past w: the -inf the row was filled with)
         }
       }
-      for (int64_t r = 0; r < R; ++r) {
-        float lanes[W];
-        mxv[r].store(lanes);
-        for (int64_t j = 0; j < W; ++j) mx[r] = lanes[j] > mx[r] ? lanes[j] : mx[r];
-      }
+      for (int64_t r = 0; r < R; ++r) mx[r] = mxv[r].reduce_max();
 
       for (int64_t r = 0; r < R; ++r) {  // exp of every score at once
         float* row = &scores[r * Sp];
@@ -214,8 +208,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
               "decode_attention: q, keys and values in one dtype");
   TORCH_CHECK(H % Hkv == 0 && keys.size(0) == B && keys.size(3) == D && values.sizes() == keys.sizes(),
               "decode_attention: q [B, H, T, D] with keys/values [B, Hkv, S, D], H a multiple of Hkv");
-  TORCH_CHECK(D % Vec::size() == 0 && D / Vec::size() <= kMaxVecs, "decode_attention: head_dim ", D,
-              " is not a multiple of ", Vec::size(), " up to ", kMaxVecs * Vec::size());
+  TORCH_CHECK(D % Vec::size() == 0, "decode_attention: head_dim ", D, " is not a multiple of ", Vec::size());
   TORCH_CHECK(q.stride(3) == 1 && keys.stride(3) == 1 && values.stride(3) == 1,
               "decode_attention: the head dim must be dense");
   TORCH_CHECK(mask.size(0) == B && mask.size(1) == 1 && mask.size(2) == H / Hkv * T && mask.size(3) == S,
@@ -237,7 +230,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
       case 4: go(std::integral_constant<int64_t, 4>{}); break;
       case 8: go(std::integral_constant<int64_t, 8>{}); break;
       case 16: go(std::integral_constant<int64_t, 16>{}); break;
-      default: TORCH_CHECK(false, "decode_attention: head_dim ", D, " is not 1, 2, 4, 8 or 16 vectors");
+      default:
+        TORCH_CHECK(false, "decode_attention: head_dim ", D, " is not 1, 2, 4, 8 or 16 vectors of ", Vec::size());
     }
   });
   return out.transpose(1, 2);
