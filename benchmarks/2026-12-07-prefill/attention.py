@@ -4,6 +4,7 @@ them. The kernel as of a git revision (`--before`, built into a temporary folder
 against the working tree's, alternating, best of 5; the bandwidth each implies over the keys/values the rows see.
 
     python benchmarks/2026-12-07-prefill/attention.py --before 37c4a8c~1
+    python benchmarks/2026-12-07-prefill/attention.py --before 0b15621 --verifies   # + 9-token verifies of 8, 16 rows
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ GSM8K = [121, 110, 100, 95, 90, 88, 85, 80, 80, 78, 75, 70, 66, 60, 58, 56]
 CASES = [("HumanEval, 16 rows", HUMANEVAL, 1), ("GSM8K, 16 rows", GSM8K, 1), ("HumanEval, 4 rows", HUMANEVAL[:4], 1),
          ("HumanEval, 4 rows", HUMANEVAL[:4], 9), ("HumanEval, 1 row", HUMANEVAL[:1], 1),
          ("HumanEval, 1 row", HUMANEVAL[:1], 9), ("16 rows of 476", [444] * 16, 1)]
+VERIFIES = [("HumanEval, 16 rows", HUMANEVAL, 9), ("GSM8K, 16 rows", GSM8K, 9), ("HumanEval, 8 rows", HUMANEVAL[:8], 9)]
 LAYERS, H, HKV, D = 30, 9, 3, 64
 
 
@@ -52,6 +54,7 @@ def build_before(rev: str, folder: Path):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--before", required=True, help="git revision of the kernel to compare against")
+    ap.add_argument("--verifies", action="store_true", help="also 9-token verifies of 8 and 16 rows")
     args = ap.parse_args()
     assert kernels.load(), "the C++ kernels are not available here"
     torch.set_num_threads(2)
@@ -61,7 +64,7 @@ def main() -> None:
         print(f"\nbf16, 2 threads, {LAYERS} layers' caches read cold in turn, best of 5 alternating\n")
         print("| rows | tokens per row | before ms | now ms | now / before | now GB/s (keys/values seen) | max diff |")
         print("|---|---|---|---|---|---|---|")
-        for name, prompts, T in CASES:
+        for name, prompts, T in CASES + (VERIFIES if args.verifies else []):
             lens = torch.tensor(prompts) + 32
             B, S = len(prompts), int(lens.max()) + T
             caches = [(torch.randn(B, HKV, 1024, D, dtype=torch.bfloat16),

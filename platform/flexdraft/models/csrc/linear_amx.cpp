@@ -13,14 +13,12 @@
 // the two threads take the two halves of the blocks. oneDNN's prepacked GEMM and ATen's brgemm spent more per call.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
-#include <sys/syscall.h>
 #include <torch/library.h>
-#include <unistd.h>
 
 #include <optional>
 #include <vector>
 
+#include "amx.h"
 #include "vec_io.h"
 
 namespace {
@@ -28,17 +26,6 @@ namespace {
 using namespace flexdraft_kernels;
 constexpr int64_t NB = 32;  // outputs per block: two 16-wide tiles
 constexpr int64_t KB = 32;  // bf16 k per tile row (64 bytes)
-
-struct TileConfig {  // ldtilecfg's 64-byte layout, palette 1
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-bool amx_ready() {  // Linux hands out AMX's tile data only on request (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)
-  static const bool granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  return granted;
-}
 
 at::Tensor amx_pack(const at::Tensor& w) {
   TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kBFloat16 && w.dim() == 2 && w.size(1) % KB == 0,
@@ -73,12 +60,7 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& tiles, const std::o
   const auto* bp = has_bias ? bias->data_ptr<at::BFloat16>() : nullptr;
   auto* yp = y.data_ptr<at::BFloat16>();
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    TileConfig cfg;  // tiles 0-3: accumulators [16 rows][16 fp32]; 4-5: rows of x [16][32 bf16]; 6-7: weights
-    for (int t = 0; t < 8; ++t) {
-      cfg.rows[t] = 16;
-      cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
+    configure_tiles();  // tiles 0-3: accumulators [16 rows][16 fp32]; 4-5: rows of x [16][32 bf16]; 6-7: weights
     alignas(64) float acc[32 * NB];
     std::vector<at::BFloat16> tail;  // the last M % 16 rows, then zeros (computed, never stored): a whole tile
     if (Mp != M) {
@@ -131,7 +113,7 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& tiles, const std::o
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(flexdraft, m) {
-  m.def("amx_ready() -> bool", &amx_ready);  // no tensor to dispatch on: one kernel for every key
+  m.def("amx_ready() -> bool", &flexdraft_kernels::amx_ready);  // no tensor to dispatch on: one kernel for every key
   m.def("amx_pack(Tensor w) -> Tensor");
   m.def("amx_linear(Tensor x, Tensor tiles, Tensor? bias, int N) -> Tensor");
 }
