@@ -288,6 +288,49 @@ def test_in_cache_drafting_equals_the_copying_block_forward(tiny, tuned_attentio
                zip(kept, ((k, rn) for k in cache.k for rn in enumerate(cache.lens.tolist()))))
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("entry", [0, 1])
+def test_a_paired_drafter_pass_through_the_cpp_stack_computes_what_its_python_layers_compute(tmp_path, dtype, entry):
+    """At SmolLM2's widths, prepacked: the sequential pass (blocks in the cache, ragged rows) and the parallel pass
+    (verify tokens plus branches) of a paired drafter, blocks entering at layer 0 or 1, give bitwise the hidden
+    states and cache writes of the Python layers when their layers run as one C++ call (the tuned layers' paired
+    GEMMs, each slot's half picked, under their own mask)."""
+    from flexdraft.drafter.model import parallel_forward
+    from flexdraft.models import kernels
+
+    make_tiny_hf("llama", tmp_path, hidden_size=576, intermediate_size=1536, num_attention_heads=9,
+                 num_key_value_heads=3, head_dim=64)
+    model = load_model(tmp_path, RuntimeConfig(device="cpu", dtype=dtype, threads=1), with_tokenizer=False).model
+    if model.stack_params is None:
+        pytest.skip("no C++ layer stack on this CPU in this dtype")
+    torch.manual_seed(0)
+    drafter = Drafter.from_target(model, DrafterConfig(k=model.args.n_layers - 1, block_size=4, entry_layer=entry))
+    with torch.no_grad():
+        for p in drafter.attn.parameters():
+            p.add_(0.5 * torch.randn_like(p))
+    drafter.to_runtime(model)
+    seqs = torch.randint(3, 96, (2, 30), generator=torch.Generator().manual_seed(1))
+
+    @torch.inference_mode()
+    def run(stack):
+        model.stack_params = stack
+        cache = model.new_cache(2, 64)
+        model(seqs[:, :20], torch.arange(20).expand(2, 20), cache)
+        cache.lens[:] = torch.tensor([20, 17])
+        inputs = drafter.slot_inputs(model, seqs[:, 20], torch.ones(2, dtype=torch.bool))
+        sequential = drafter.forward_in_cache(model, inputs, cache)  # 2 rows x 5 slots
+        one = cache.rows(0, 1)
+        clean, branches = parallel_forward(model, drafter, seqs[:1, 20:23], one.next_positions(3), one,
+                                           torch.tensor([[0, 1]]))  # 3 verify tokens + 2 branches of 3
+        return [sequential, clean, branches, *(k.clone() for k in cache.k), *(v.clone() for v in cache.v)]
+
+    x = torch.zeros(1, 9, 576, dtype=model.dtype)
+    with torch.inference_mode():
+        assert kernels.use_decoder_stack(x, 9, 3, 64)  # the parallel pass's 9 tokens: the stack takes them
+    got, want = run(model.stack_params), run(None)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 def test_tree_accepted_length_matches_brute_force():
     """bonus/tau_treeN's count (the engine's draft_tree + tree_walk): for random draft distributions and
     continuations, the accepted length equals brute force over every path of top-4 ranks: the N prefixes of

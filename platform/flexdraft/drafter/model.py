@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from flexdraft.core.errors import FlexDraftError
 from flexdraft.models.config import ModelArgs
 from flexdraft.models.linear import Linear
-from flexdraft.models.transformer import Attention, KVCache, Transformer
+from flexdraft.models.transformer import Attention, KVCache, Transformer, TunedLayers
 
 FORMAT = "flexdraft-drafter/3"  # 2: the calibration MLP normalises its inputs; 3: a known bonus takes the target's path
 WEIGHTS, META = "drafter.safetensors", "drafter.json"
@@ -109,8 +109,7 @@ class PairedAttention:
         both = self.qkv(x)  # [R, N, 2 * (H + 2 Hkv) * D]
         if self.target_attn.q_norm is None:  # pick each slot's half first: one rope, not two (no per-set norms)
             own, tuned = both.chunk(2, dim=-1)
-            picked = torch.where(clean[..., None], own, tuned).split(self.qkv_sizes[:3], dim=-1)
-            return self.target_attn.heads(*picked, cos, sin)
+            return self.target_attn.fused_heads(torch.where(clean[..., None], own, tuned), cos, sin)
         parts = both.split(self.qkv_sizes, dim=-1)
         own = self.target_attn.heads(*parts[:3], cos, sin)
         tuned = self.drafter_attn.heads(*parts[3:], cos, sin)
@@ -171,6 +170,7 @@ class Drafter(nn.Module):
         self.mask_embedding = nn.Parameter(torch.zeros(args.dim), requires_grad=config.entry_layer == self.first_tuned)
         self.calibration = CalibrationMLP(args.dim, config.calibration_hidden or args.dim)
         self.paired: list[PairedAttention] | None = None  # inference: see pair_with (a plain list: not saved)
+        self.stack_params: list[torch.Tensor | None] = []  # the paired GEMMs' tensors for the C++ layer stack
 
     @classmethod
     def from_target(cls, target: Transformer, config: DrafterConfig) -> Drafter:
@@ -203,6 +203,12 @@ class Drafter(nn.Module):
         slots alone."""
         self.paired = [PairedAttention(target.layers[self.first_tuned + i].self_attn, attn)
                        for i, attn in enumerate(self.attn)]
+        self.stack_params = [t for p in self.paired for m in (p.qkv, p.o) for t in (m.weight, m.packed, m.tiles, m.bias)]
+
+    def tuned_layers(self, clean: torch.Tensor, mask: torch.Tensor) -> TunedLayers:
+        """The tuned layers of a paired pass (`pair_with`) whose clean slots are `clean` [R, N], attending under
+        `mask`: what `Transformer.run_layers` takes."""
+        return TunedLayers(self.first_tuned, self.paired, clean, mask, self.stack_params)
 
     def to_runtime(self, target: Transformer) -> Drafter:
         """Ready for inference beside a target made ready by `Transformer.to_runtime`: its linear layers
@@ -299,7 +305,11 @@ class Drafter(nn.Module):
         masks = [target.attention_mask(m[:, None]) for m in (causal, tuned)]
         x = inputs
         cos, sin = target.rope(pos, x.dtype)
-        for i in range(self.config.entry_layer, self.args.n_layers):
+        e = self.config.entry_layer
+        if self.paired:  # inference: as one C++ call where it can (`Transformer.run_layers`)
+            return target.norm(target.run_layers(x, cos, sin, masks[0], pos, span, cache, start=e,
+                                                 tuned=self.tuned_layers(bonus, masks[1])))
+        for i in range(e, self.args.n_layers):
             x = self.block_layer(target, i, x, cos, sin, cache.writer(i, pos, span), masks, clean_at)
         return target.norm(x)
 
@@ -398,7 +408,7 @@ def parallel_forward(target: Transformer, drafter: Drafter, tokens: torch.Tensor
     n, T = tokens.shape
     m = anchors.shape[1]
     dev = tokens.device
-    e, s = drafter.config.entry_layer, drafter.first_tuned
+    e = drafter.config.entry_layer
     span, N = int(pos.max()) + 1, m * T
     base = pos[:, :1] + anchors  # [n, m]: position of verify token a (the branch's last visible one)
     bpos = (base[:, :, None] + 1 + torch.arange(T, device=dev)).reshape(n, N)  # [n, N]
@@ -418,19 +428,12 @@ def parallel_forward(target: Transformer, drafter: Drafter, tokens: torch.Tensor
     cos_all, sin_all = target.rope(torch.cat((pos, bpos), dim=1), x.dtype)  # [n, 1, T + N, D]
     if e:  # below the entry layer only the clean tokens run, exactly as in the target's forward
         clean_mask = target.attention_mask(clean[:, None, :, :span])
-        for i, layer in enumerate(target.layers[:e]):
-            x = layer(x, cos_all[:, :, :T], sin_all[:, :, :T], clean_mask, cache.writer(i, pos, span))
+        x = target.run_layers(x, cos_all[:, :, :T], sin_all[:, :, :T], clean_mask, pos, span, cache, end=e)
     xx = torch.cat((x, drafter.mask_embedding.to(x.dtype).expand(n, N, -1)), dim=1)  # [n, T + N, d]
     is_clean = (torch.arange(T + N, device=dev) < T).expand(n, T + N)
-    for i in range(e, target.args.n_layers):
-        def kv(k, v, i=i):  # clean keys/values at their positions, the branches' in the scratch slots
-            (k, kb), (v, vb) = k.split((T, N), dim=2), v.split((T, N), dim=2)
-            cache.write(i, pos, k, v)
-            cache.write(i, scratch, kb, vb)
-            return cache.k[i][:, :, :span + N], cache.v[i][:, :, :span + N]
-
-        # tuned layer: the branches use the drafter's projectors (both sets in one GEMM)
-        attn = drafter.paired[i - s].at(is_clean) if i >= s else None
-        xx = target.layers[i](xx, cos_all, sin_all, masks[i >= s], kv, attn)
+    # clean keys/values at their positions, the branches' in the scratch slots; in the tuned layers the branches
+    # use the drafter's projectors (both sets in one GEMM)
+    xx = target.run_layers(xx, cos_all, sin_all, masks[0], torch.cat((pos, scratch), dim=1), span + N, cache,
+                           start=e, tuned=drafter.tuned_layers(is_clean, masks[1]))
     h = target.norm(xx)
     return h[:, :T], h[:, T:].view(n, m, T, -1)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -174,15 +175,20 @@ class Attention(nn.Module):
 
     def project(self, x, cos, sin):
         """x [B, T, d] -> q [B, H, T, D], k and v [B, Hkv, T, D], with rope (and q/k norm) applied."""
-        if self.qkv is not None and self.q_norm is None:  # rope over q's and k's heads at once
-            B, T, _ = x.shape
-            H, Hkv = self.n_heads, self.n_kv_heads
-            heads = self.qkv.linear(x).view(B, T, H + 2 * Hkv, self.head_dim).transpose(1, 2)
-            qk = apply_rope(heads[:, : H + Hkv], cos, sin)
-            return qk[:, :H], qk[:, H:], heads[:, H + Hkv:]
+        if self.qkv is not None and self.q_norm is None:
+            return self.fused_heads(self.qkv.linear(x), cos, sin)
         if self.qkv is not None:
             return self.heads(*self.qkv(x), cos, sin)
         return self.heads(self.q_proj(x), self.k_proj(x), self.v_proj(x), cos, sin)
+
+    def fused_heads(self, qkv, cos, sin):
+        """The fused projection's output [B, T, (H + 2 Hkv) * D] -> `project`'s result, rope over q's and k's heads
+        at once (no per-head q/k norm)."""
+        B, T, _ = qkv.shape
+        H, Hkv = self.n_heads, self.n_kv_heads
+        heads = qkv.view(B, T, H + 2 * Hkv, self.head_dim).transpose(1, 2)
+        qk = apply_rope(heads[:, : H + Hkv], cos, sin)
+        return qk[:, :H], qk[:, H:], heads[:, H + Hkv:]
 
     def heads(self, q, k, v, cos, sin):
         """The projections' outputs q [B, T, H*D], k and v [B, T, Hkv*D] -> `project`'s result."""
@@ -242,6 +248,24 @@ class DecoderLayer(nn.Module):
         q, k, v = attn.project(self.input_layernorm(x), cos, sin)
         x, h = self.post_attention_layernorm.residual(x, attn.output(attend(q, *kv(k, v), mask)))
         return x + self.mlp(h)
+
+
+@dataclass
+class TunedLayers:
+    """A forward in which, from layer `first` on, each layer reads its q/k/v and o through paired GEMMs (the target's
+    outputs, then another set's: a drafter's `PairedAttention`) and keeps the target's half at the `clean` slots
+    [B, T], the other's elsewhere; those layers attend under `mask`. paired[i] serves layer first + i: its `qkv` and
+    `o` Linears, and `at(clean)`, the projections `DecoderLayer` takes. params: the C++ stack's, 8 per layer (weight,
+    packed copy, tiles and bias of qkv, then of o)."""
+    first: int
+    paired: list
+    clean: torch.Tensor
+    mask: torch.Tensor
+    params: list[torch.Tensor | None]
+
+    def paths(self, x: torch.Tensor) -> list[int]:
+        """How the paired q/k/v and o GEMMs run for x [B, T, d] (every layer's alike)."""
+        return [STACK_PATHS[self.paired[0].qkv.path(x)], STACK_PATHS[self.paired[0].o.path(x)]]
 
 
 class Transformer(nn.Module):
@@ -375,18 +399,31 @@ class Transformer(nn.Module):
             mask = grouped_mask(mask, self.args.n_heads // self.args.n_kv_heads) if sdpa else self.attention_mask(mask)
         x = self.embed_tokens(tokens)
         cos, sin = self.rope(pos, x.dtype)
-        slots = pos if slots is None else slots
+        return self.norm(self.run_layers(x, cos, sin, mask, pos if slots is None else slots, span, cache))
+
+    def run_layers(self, x: torch.Tensor, cos, sin, mask, slots: torch.Tensor, span: int, cache: KVCache,
+                   start: int = 0, end: int | None = None, tuned: TunedLayers | None = None) -> torch.Tensor:
+        """x [B, T, d] through layers start..end-1 (default: to the last), each writing its keys/values into the cache
+        at `slots` [B, T] and attending over its first `span` slots under `mask` (as `attention_mask` gives it; None:
+        causal, a prefill); with `tuned`, its layers project through their paired GEMMs. As one C++ call where every
+        op of the body has a kernel (`kernels.use_decoder_stack`: a decode step, a small verify or drafter pass, no
+        interpreter per op), else the Python layers: the same ops either way."""
+        end = self.args.n_layers if end is None else end
         a = self.args
         if (self.stack_params is not None and mask is not None
                 and kernels.use_decoder_stack(x, a.n_heads, a.n_kv_heads, a.head_dim)):
-            # the layers below as one C++ call, op for op the same kernels (a decode step: no interpreter per op)
-            x = torch.ops.flexdraft.decoder_stack(x, cos, sin, mask, slots, span, cache.k, cache.v,
-                                                  self.stack_params, self.stack_paths(x), a.rms_norm_eps,
-                                                  a.n_heads, a.n_kv_heads, a.head_dim)
-        else:
-            for i, layer in enumerate(self.layers):
-                x = layer(x, cos, sin, mask, cache.writer(i, slots, span))
-        return self.norm(x)
+            extra = ((-1, None, None, [], []) if tuned is None
+                     else (tuned.first - start, tuned.mask, tuned.clean, tuned.params, tuned.paths(x)))
+            per_layer = len(self.stack_params) // a.n_layers
+            return torch.ops.flexdraft.decoder_stack(
+                x, cos, sin, mask, slots, span, cache.k[start:end], cache.v[start:end],
+                self.stack_params[per_layer * start:per_layer * end], self.stack_paths(x), a.rms_norm_eps,
+                a.n_heads, a.n_kv_heads, a.head_dim, *extra)
+        for i in range(start, end):
+            paired = tuned is not None and i >= tuned.first
+            attn = tuned.paired[i - tuned.first].at(tuned.clean) if paired else None
+            x = self.layers[i](x, cos, sin, tuned.mask if paired else mask, cache.writer(i, slots, span), attn)
+        return x
 
     def prefill(self, prompts: list[list[int]], cache: KVCache) -> torch.Tensor:
         """Prompts into cache rows 0..len(prompts)-1 (slots 0..len-1, lengths set) in one forward over them packed

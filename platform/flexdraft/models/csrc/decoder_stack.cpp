@@ -1,12 +1,16 @@
-// Every decoder layer of a forward in one call, for decode steps and small verifies on CPU:
+// Every decoder layer of a forward in one call, for decode steps, small verifies and drafter passes on CPU:
 //   torch.ops.flexdraft.decoder_stack(x, cos, sin, mask, slots, span, k_cache, v_cache, params, paths, eps,
-//                                     n_heads, n_kv_heads, head_dim) -> x after the last layer
+//                                     n_heads, n_kv_heads, head_dim, first_tuned, tuned_mask, clean, tuned_params,
+//                                     tuned_paths) -> x after the last layer
 // x [B, T, d] (the embedded tokens); cos, sin, mask, slots and span as `Transformer.forward` makes them; k_cache /
 // v_cache: the cache's per-layer [B, Hkv, max_len, D] tensors (written at `slots`); params: 18 per layer, the input
 // and post-attention norms' weights, then for the fused q/k/v, o, the fused gate/up and down each: weight, its
 // oneDNN-packed copy, its AMX tiles, bias (None where absent); paths: how each of those four GEMMs runs at these
 // rows (`Linear.path`: 0 AMX tiles, 1 the packed copy, 2 F.linear on the weight, 3 the bf16 GEMV, 4 one row as
-// two through the packed copy).
+// two through the packed copy). Layers from first_tuned on (-1: none) (`TunedLayers`: a drafter's) read their q/k/v and o
+// through paired GEMMs (tuned_params: 8 per layer, q/k/v then o, each weight, packed copy, tiles, bias; tuned_paths
+// their 2 paths), keep the target's half at `clean` slots [B, T] and the other's elsewhere, and attend under
+// tuned_mask.
 //
 // The body is `DecoderLayer.forward` on the kernels it takes at these sizes, op for op (rms_norm, the GEMM, rope,
 // write_kv, decode_attention, add_rms_norm, silu_mul, then the residual add), called through the dispatcher as
@@ -26,6 +30,7 @@ namespace {
 using at::Tensor;
 using OptTensor = std::optional<Tensor>;
 constexpr int64_t PER_LAYER = 18;
+constexpr int64_t PER_TUNED = 8;  // a tuned layer's paired q/k/v, then o: weight, packed copy, tiles, bias
 enum Path : int64_t { AMX = 0, PACKED = 1, LINEAR = 2, GEMV = 3, PAIR = 4 };
 
 template <typename Signature>
@@ -71,7 +76,9 @@ Tensor linear(const Tensor& x, const OptTensor* p, int64_t path) {
 Tensor decoder_stack(const Tensor& embedded, const Tensor& cos, const Tensor& sin, const Tensor& mask,
                      const Tensor& slots, int64_t span, const std::vector<Tensor>& k_cache,
                      const std::vector<Tensor>& v_cache, const c10::List<OptTensor>& params,
-                     c10::IntArrayRef paths, double eps, int64_t H, int64_t Hkv, int64_t D) {
+                     c10::IntArrayRef paths, double eps, int64_t H, int64_t Hkv, int64_t D, int64_t first_tuned,
+                     const OptTensor& tuned_mask, const OptTensor& clean, const c10::List<OptTensor>& tuned_params,
+                     c10::IntArrayRef tuned_paths) {
   static const auto rms_norm = op<Tensor(const Tensor&, const Tensor&, double)>("flexdraft::rms_norm");
   static const auto add_rms_norm =
       op<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, double)>("flexdraft::add_rms_norm");
@@ -88,20 +95,39 @@ Tensor decoder_stack(const Tensor& embedded, const Tensor& cos, const Tensor& si
               "decoder_stack: x [B, T, d] contiguous, a k and v cache per layer and ", PER_LAYER,
               " params per layer and 4 paths; got x ", embedded.sizes(), ", ", L, " k, ", v_cache.size(), " v, ",
               params.size(), " params");
+  const int64_t tuned_layers = first_tuned < 0 ? 0 : L - first_tuned;
+  TORCH_CHECK(tuned_layers == 0 || (tuned_mask.has_value() && clean.has_value() && tuned_paths.size() == 2 &&
+                                    static_cast<int64_t>(tuned_params.size()) == PER_TUNED * tuned_layers),
+              "decoder_stack: tuned layers from ", first_tuned, " need their mask, the clean slots, 2 paths and ",
+              PER_TUNED, " params per layer");
   const int64_t B = embedded.size(0), T = embedded.size(1);
+  // a paired GEMM's outputs [..., 2n]: the target's half at clean slots, the other set's elsewhere
+  const Tensor keep = tuned_layers ? clean->unsqueeze(-1) : Tensor();
+  const auto pick = [&](const Tensor& both) {
+    const auto halves = both.chunk(2, -1);
+    return at::where(keep, halves[0], halves[1]);
+  };
   Tensor x = embedded;
-  std::vector<OptTensor> p(PER_LAYER);
+  std::vector<OptTensor> p(PER_LAYER), t(PER_TUNED);
   for (int64_t l = 0; l < L; ++l) {
     for (int64_t i = 0; i < PER_LAYER; ++i) p[i] = params.get(l * PER_LAYER + i);
     const OptTensor *qkv = &p[2], *o = &p[6], *gate_up = &p[10], *down = &p[14];
-    // attention: Attention.project (q, k, v in one GEMM, rope over q's and k's heads at once), the cache write, the
-    // decode attention (its output laid out [B, T, H, D]) and o_proj
-    const Tensor heads = linear(rms_norm.call(x, *p[0], eps), qkv, paths[0]).view({B, T, H + 2 * Hkv, D}).transpose(1, 2);
+    const bool tuned = tuned_layers && l >= first_tuned;
+    if (tuned)
+      for (int64_t i = 0; i < PER_TUNED; ++i) t[i] = tuned_params.get((l - first_tuned) * PER_TUNED + i);
+    // attention: Attention.project (q, k, v in one GEMM, rope over q's and k's heads at once; a tuned layer's
+    // PairedAttention picks each slot's half first), the cache write, the decode attention (its output laid out
+    // [B, T, H, D]) and o_proj (a tuned layer's paired, picked after)
+    const Tensor normed = rms_norm.call(x, *p[0], eps);
+    const Tensor fused = tuned ? pick(linear(normed, &t[0], tuned_paths[0])) : linear(normed, qkv, paths[0]);
+    const Tensor heads = fused.view({B, T, H + 2 * Hkv, D}).transpose(1, 2);
     const Tensor qk = rope.call(heads.narrow(1, 0, H + Hkv), cos, sin);
     Tensor k_layer = k_cache[l], v_layer = v_cache[l];
     write_kv.call(k_layer, v_layer, slots, qk.narrow(1, H, Hkv), heads.narrow(1, H + Hkv, Hkv));
-    const Tensor y = attention.call(qk.narrow(1, 0, H), k_layer.narrow(2, 0, span), v_layer.narrow(2, 0, span), mask);
-    const Tensor out = linear(y.transpose(1, 2).reshape({B, T, H * D}), o, paths[1]);
+    const Tensor y = attention.call(qk.narrow(1, 0, H), k_layer.narrow(2, 0, span), v_layer.narrow(2, 0, span),
+                                    tuned ? *tuned_mask : mask);
+    const Tensor flat = y.transpose(1, 2).reshape({B, T, H * D});
+    const Tensor out = tuned ? pick(linear(flat, &t[4], tuned_paths[1])) : linear(flat, o, paths[1]);
     // the residual and the norm after it, then the MLP and its residual
     auto [residual, h] = add_rms_norm.call(x, out, *p[1], eps);
     x = residual + linear(silu_mul.call(linear(h, gate_up, paths[2])), down, paths[3]);
@@ -113,8 +139,8 @@ Tensor decoder_stack(const Tensor& embedded, const Tensor& cos, const Tensor& si
 
 TORCH_LIBRARY_FRAGMENT(flexdraft, m) {
   m.def("decoder_stack(Tensor x, Tensor cos, Tensor sin, Tensor mask, Tensor slots, int span, Tensor[] k_cache, "
-        "Tensor[] v_cache, Tensor?[] params, int[] paths, float eps, int n_heads, int n_kv_heads, int head_dim) "
-        "-> Tensor");
+        "Tensor[] v_cache, Tensor?[] params, int[] paths, float eps, int n_heads, int n_kv_heads, int head_dim, "
+        "int first_tuned, Tensor? tuned_mask, Tensor? clean, Tensor?[] tuned_params, int[] tuned_paths) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(flexdraft, CPU, m) { m.impl("decoder_stack", &decoder_stack); }
