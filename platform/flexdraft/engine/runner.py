@@ -25,7 +25,7 @@ from flexdraft.speculative.grammar import Grammars
 from flexdraft.speculative.lookup import NgramStore
 from flexdraft.speculative.policy_file import Policy, load_policy
 
-PROFILE_FORMAT = 18  # bump when Engine.profile measures other shapes or passes, or forwards get faster: cached profiles are redone
+PROFILE_FORMAT = 19  # bump when Engine.profile measures other shapes or passes, or forwards get faster: cached profiles are redone
 
 
 @dataclass
