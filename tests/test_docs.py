@@ -162,7 +162,7 @@ def readme_figures() -> list[tuple[str, tuple, tuple]]:
               for r in table(ROOT / "README.md", "method", "batch 1", "batch 4", "batch 16")}
     demo = summary(DEMO, "**Speed-up over our AR, mean over the datasets**")
     fp32 = summary(PEERS / "fp32" / "results.md", "**Speed-up over our AR, mean over the datasets**")
-    xeon = summary(AMX_ATTENTION / "peers-bf16" / "results.md", "**Speed-up over the best peer")
+    xeon = summary(AMX_ATTENTION / "peers-bf16-stack" / "results.md", "**Speed-up over the best peer")
     paired = {dt: [f"{r['speedup']:.2f}x" for run in runs for r in json.loads((KERNELS / run).read_text())["generations"]]
               for dt, runs in (("bf16", ("ab-bfloat16.json", "ab-bfloat16-run2.json", "ab-bfloat16-run3.json")),
                                ("fp32", ("ab-float32.json",)))}
@@ -195,9 +195,9 @@ def readme_figures() -> list[tuple[str, tuple, tuple]]:
          said(r"then AMX tiles ([\d.]+-[\d.]+)x and the C\+\+ layer stack ([\d.]+-[\d.]+)x \(bf16; ([\d.]+-[\d.]+)x in fp32\)"),
          (span(step["amx"]), span(step["stack"]), span(step["stack-float32"]))),
         ("bf16 rows on AMX", said(r"and (\d+) of (\d+) adaptive rows differed from AR's beside vLLM on the Xeon"),
-         tuple(map(str, mismatched(AMX_ATTENTION / "peers-bf16" / "results.md", "adaptive")))),
+         tuple(map(str, mismatched(AMX_ATTENTION / "peers-bf16-stack" / "results.md", "adaptive")))),
         ("our AR against vLLM's AR on the Xeon", said(r"our AR ([\d.]+-[\d.]+)x vLLM's AR at batch 1 and ([\d.]+-[\d.]+)x at 16"),
-         tuple(span([f"{ours / theirs:.2f}x" for ours, theirs in peer_pairs(AMX_ATTENTION / "peers-bf16" / "results.json", b)])
+         tuple(span([f"{ours / theirs:.2f}x" for ours, theirs in peer_pairs(AMX_ATTENTION / "peers-bf16-stack" / "results.json", b)])
                for b in (1, 16))),
         ("attention and the packed prefill, before and after", said(r"the packed prefill, ([\d.]+-[\d.]+)x at batch 16"),
          (before_after_span(PREFILL / "generations.md"),)),
