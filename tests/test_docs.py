@@ -205,7 +205,7 @@ def readme_figures() -> list[tuple[str, tuple, tuple]]:
          (before_after_span(AMX_ATTENTION / "generations.md"),)),
         ("served beside vLLM on the Xeon", said(r"([\d.]+x) / ([\d.]+x) / ([\d.]+x) / ([\d.]+x) of vLLM's tok/s at "
                                                 r"concurrency 1 / 4 / 8 / 16"),
-         tuple(r["FlexDraft / vLLM"] for r in table(PREFILL / "README.md", "concurrency", "FlexDraft tok/s", "vLLM tok/s"))),
+         tuple(r["FlexDraft / vLLM"] for r in table(AMX_ATTENTION / "README.md", "concurrency", "FlexDraft tok/s", "vLLM tok/s"))),
         ("served, 2026-12-04", said(r"gave ([\d.]+x) at concurrency 1 and ([\d.]+-[\d.]+)x at 2-16, where AR against itself moved ([\d.]+-[\d.]+)x"),
          (served[0]["learned / AR"], span([r["learned / AR"] for r in served[1:]]),
           span([r["ar2 / AR (noise)"] for r in served[1:]]))),
