@@ -34,6 +34,7 @@
 #include <limits>
 #include <memory>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -148,6 +149,19 @@ inline void transpose16(__m512i* r) {
   for (int i = 0; i < 16; ++i) r[i] = t[i];
 }
 
+// rows s0 .. s0+15 of keys or values (row stride rs; n of them exist) as a tile loads them -> (first row, bytes between
+// rows): in the cache as they lie, or, where they pass row n, copied into `tail` [16, D] after it zeros (the cache
+// may end before 16 more)
+inline std::pair<const at::BFloat16*, int64_t> tile_rows(const at::BFloat16* base, int64_t rs, int64_t s0, int64_t n,
+                                                         int64_t D, at::BFloat16* tail) {
+  if (s0 + 16 <= n) return {base + s0 * rs, rs * 2};
+  for (int64_t j = 0; j < 16; ++j) {
+    if (s0 + j < n) std::copy_n(base + (s0 + j) * rs, D, tail + j * D);
+    else std::fill_n(tail + j * D, D, at::BFloat16(0.f));
+  }
+  return {tail, D * 2};
+}
+
 // the query rows (qbuf [Rp, D] bf16, rows past R zeros) as B tiles, pairs of dims by queries: qt [Rp/16][D/32][16
 // pairs of dims][16 queries x 2]
 void transpose_queries(const at::BFloat16* qbuf, int64_t Rp, int64_t D, at::BFloat16* qt) {
@@ -169,15 +183,7 @@ void amx_scores(const at::BFloat16* qt, int64_t Rp, int64_t R, int64_t D, const 
                 at::BFloat16* tail, float* block) {
   const int64_t nc = D / 32;
   for (int64_t s0 = 0; s0 < np; s0 += 16) {
-    const at::BFloat16* keys = kbase + s0 * kss;
-    int64_t stride = kss * 2;
-    if (s0 + 16 > n) {  // the last keys, padded with zeros: the cache may end before 16 more
-      for (int64_t j = 0; j < 16; ++j) {
-        if (s0 + j < n) std::copy_n(keys + j * kss, D, tail + j * D);
-        else std::fill_n(tail + j * D, D, at::BFloat16(0.f));
-      }
-      keys = tail, stride = D * 2;
-    }
+    const auto [keys, stride] = tile_rows(kbase, kss, s0, n, D, tail);
     for (int64_t j = 0; j < 16; ++j) {  // the keys and values ahead: each row's prefix is a short stream
       prefetch(kbase + (s0 + j + kAhead) * kss, D);
       prefetch(vbase + (s0 + j + kAhead) * vss, D);
@@ -232,15 +238,7 @@ void amx_values(const float* p, int64_t R, int64_t Rp, int64_t Sp, int64_t np, c
           _mm512_storeu_si512(pt + 1024 + r * 32, _mm512_slli_epi32(even_hi, 16));
           _mm512_storeu_si512(pt + 1536 + r * 32, _mm512_slli_epi32(even_lo, 16));
         }
-        const at::BFloat16* values = vbase + s0 * vss;
-        int64_t stride = vss * 2;
-        if (s0 + 16 > n) {  // the last values, padded with zeros: the cache may end before 16 more
-          for (int64_t j = 0; j < 16; ++j) {
-            if (s0 + j < n) std::copy_n(values + j * vss, D, tail + j * D);
-            else std::fill_n(tail + j * D, D, at::BFloat16(0.f));
-          }
-          values = tail, stride = D * 2;
-        }
+        const auto [values, stride] = tile_rows(vbase, vss, s0, n, D, tail);
         _tile_loadd(5, values + h0 * 32, stride);
         if (two) _tile_loadd(6, values + (h0 + 1) * 32, stride);
         _tile_loadd(4, pt, 64);
