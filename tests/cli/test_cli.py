@@ -102,29 +102,3 @@ def test_generate_speculative_modes_json(tmp_path, capsys, real_folder, real_lm,
     err = capsys.readouterr().err
     assert "no drafter given and the default one" in err and str(tmp_path) in err and err.count("\n") == 1
 
-
-@pytest.mark.parametrize("given,expected", [(None, "0"), ("7", "7")])
-def test_a_local_serve_run_starts_its_replica_at_normal_cpu_priority(monkeypatch, tmp_path, given, expected):
-    """`flexdraft serve` hands `serve run` RAY_worker_niceness=0, so the Ray it starts runs the replica at the
-    priority of any other process (Ray's default, nice 15, let a busy neighbour take the replica's cores), unless the
-    caller chose a niceness."""
-    import os
-
-    class Exec(BaseException):
-        pass
-
-    seen = {}
-
-    def execv(path, argv):
-        seen.update(argv=argv, niceness=os.environ.get("RAY_worker_niceness"))
-        raise Exec
-
-    monkeypatch.setenv("FLEXDRAFT_HOME", str(tmp_path))
-    if given is None:
-        monkeypatch.delenv("RAY_worker_niceness", raising=False)
-    else:
-        monkeypatch.setenv("RAY_worker_niceness", given)
-    monkeypatch.setattr(os, "execv", execv)
-    with pytest.raises(Exec):
-        main(["serve"])
-    assert seen["argv"][1] == "run" and seen["niceness"] == expected

@@ -588,6 +588,34 @@ def test_serving_beyond_loopback_fails_closed_without_an_api_key(monkeypatch, ca
     assert "refusing to serve on 0.0.0.0 without an API key" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("given,expected", [(None, "0"), ("7", "7")])
+def test_a_local_serve_run_starts_its_replica_at_normal_cpu_priority(monkeypatch, tmp_path, given, expected):
+    """`flexdraft serve` hands `serve run` RAY_worker_niceness=0, so the Ray it starts runs the replica at the
+    priority of any other process (Ray's default, nice 15, let a busy neighbour take the replica's cores), unless the
+    caller chose a niceness."""
+    import os
+
+    from flexdraft.cli.main import main
+
+    class Exec(BaseException):
+        pass
+
+    seen = {}
+
+    def execv(path, argv):
+        seen.update(argv=argv, niceness=os.environ.get("RAY_worker_niceness"))
+        raise Exec
+
+    monkeypatch.setenv("FLEXDRAFT_HOME", str(tmp_path))
+    if given is None:
+        monkeypatch.delenv("RAY_worker_niceness", raising=False)
+    else:
+        monkeypatch.setenv("RAY_worker_niceness", given)
+    monkeypatch.setattr(os, "execv", execv)
+    with pytest.raises(Exec):
+        main(["serve"])
+    assert seen["argv"][1] == "run" and seen["niceness"] == expected
+
 def test_an_engine_built_apart_leaves_no_thread_behind_and_hands_over_its_thread_count():
     """`built_apart` runs the build on a thread that has ended when it returns (its OpenMP pool gone with it, so the
     engine thread's is the only one), returns what the build returned, takes the thread count the build set, and
