@@ -202,11 +202,12 @@ def test_a_bf16_verify_computes_what_one_token_steps_compute(tmp_path):
 @pytest.mark.parametrize("arch,form", [("llama", "bf16-amx"), ("qwen2", "bf16-amx"), ("llama", "bf16-onednn"),
                                        ("llama", "fp32"), ("llama", "fp32-pair"), ("qwen3", "fp32")])
 def test_the_cpp_decoder_stack_computes_what_the_python_layers_compute(tmp_path, monkeypatch, arch, form):
-    """At SmolLM2's widths (qwen2: with q/k/v biases), decode steps of ragged rows, a single row and a batch-1
-    verify through `decoder_stack` give bitwise the logits and cache of the Python layers on the same kernels, with
-    every GEMM path the stack has: AMX tiles (bf16), oneDNN's packed copy and the one-row GEMV (bf16 with the tiles
-    off), packed with one row on F.linear or as a pair (fp32); a prefill (more rows than the stack takes) stays in
-    Python. Qwen3's per-head q/k norm has no C++ body: its layers stay in Python."""
+    """At SmolLM2's widths (qwen2: with q/k/v biases), decode steps of ragged rows, a single row, a batch-1 verify
+    and a verify of 8 rows x 9 tokens (72 rows: past amx_linear's 64, on oneDNN's packed copy) through
+    `decoder_stack` give bitwise the logits and cache of the Python layers on the same kernels, with every GEMM path
+    the stack has: AMX tiles (bf16), oneDNN's packed copy and the one-row GEMV (bf16 with the tiles off), packed with
+    one row on F.linear or as a pair (fp32); a prefill (more query rows per head than decode attention takes) stays
+    in Python. Qwen3's per-head q/k norm has no C++ body: its layers stay in Python."""
     if form == "bf16-amx" and not kernels.amx_available():
         pytest.skip("a CPU without AMX-BF16")
     if form == "bf16-onednn":
@@ -222,27 +223,31 @@ def test_the_cpp_decoder_stack_computes_what_the_python_layers_compute(tmp_path,
         assert model.stack_params is None
         return
     assert model.stack_params is not None
-    seqs = torch.randint(3, 96, (3, 40), generator=torch.Generator().manual_seed(3))
+    seqs = torch.randint(3, 96, (8, 49), generator=torch.Generator().manual_seed(3))
 
     @torch.inference_mode()
     def run(stack):
         model.stack_params = stack
-        cache, out = model.new_cache(3, 64), []
-        model(seqs[:, :30], torch.arange(30).expand(3, 30), cache)  # 90 rows: Python
-        cache.lens[:] = torch.tensor([30, 27, 29])
-        for t in range(30, 33):  # 3 rows of 1 token
+        cache, out = model.new_cache(8, 64), []
+        model(seqs[:, :30], torch.arange(30).expand(8, 30), cache)  # 90 query rows per head: Python
+        cache.lens[:] = torch.tensor([30, 27, 29, 30, 28, 26, 30, 25])
+        for t in range(30, 33):  # 8 rows of 1 token
             out.append(model.logits(model(seqs[:, t:t + 1], cache.next_positions(1), cache)))
             cache.lens += 1
         one = cache.rows(0, 1)  # row 0 alone: a step, then a verify of 6 tokens
-        out.append(model.logits(model(seqs[:1, 33:34], one.next_positions(1), one)).expand(3, -1, -1))
+        out.append(model.logits(model(seqs[:1, 33:34], one.next_positions(1), one)).expand(8, -1, -1))
         one.lens += 1
-        out.append(model.logits(model(seqs[:1, 34:40], one.next_positions(6), one)).expand(3, -1, -1))
+        out.append(model.logits(model(seqs[:1, 34:40], one.next_positions(6), one)).expand(8, -1, -1))
+        one.lens += 6
+        out.append(model.logits(model(seqs[:, 40:49], cache.next_positions(9), cache)))  # 8 x 9 tokens
         return torch.cat(out, dim=1), [k.clone() for k in cache.k]
 
     params = model.stack_params
-    x = torch.zeros(3, 1, 576, dtype=model.dtype)
+    x = torch.zeros(8, 1, 576, dtype=model.dtype)
     with torch.inference_mode():
-        assert kernels.use_decoder_stack(x, 9, 3, 64) and not kernels.use_decoder_stack(x.expand(3, 30, -1), 9, 3, 64)
+        wide, prefill = (torch.zeros(8, T, 576, dtype=model.dtype) for T in (9, 30))
+        assert kernels.use_decoder_stack(x, 9, 3, 64) and kernels.use_decoder_stack(wide, 9, 3, 64)
+        assert not kernels.use_decoder_stack(prefill, 9, 3, 64)
     (logits, keys), (want, want_keys) = run(params), run(None)
     assert torch.equal(logits, want) and all(torch.equal(a, b) for a, b in zip(keys, want_keys))
 
