@@ -28,7 +28,7 @@ command -v $(1) >/dev/null || { echo "make: $(1) not found; flexdraft needs Pyth
 $(1) -c 'import sys; v = "%d.%d" % sys.version_info[:2]; sys.exit(0 if v == "$(PY_SERIES)" else "make: $(1) is Python " + v + "; flexdraft needs Python $(PY_SERIES) (requires-python in pyproject.toml): make PYTHON=python$(PY_SERIES) ..., or remove a $(VENV) made with another Python")'
 endef
 
-.PHONY: install demo test bench bench-ar peer-vllm clean-venv
+.PHONY: install demo test bench bench-ar peer-vllm peer-llama clean-venv
 
 install: $(STAMP)
 
@@ -73,5 +73,18 @@ $(PEER_VENV)/.installed:
 	@$(PEER_VENV)/bin/python -m pip --disable-pip-version-check -q uninstall -y torchvision torchaudio torchcodec $(QUIET)
 	@touch $@
 
+# the peer `flexdraft bench --peers llama.cpp` measures: llama.cpp through llama-cpp-python, compiled from its
+# source distribution for this machine's CPU (its CMake defaults, as `pip install` gives a user), in a venv of its own
+LLAMA_VENV := .venv-llama
+peer-llama: $(LLAMA_VENV)/.installed
+
+$(LLAMA_VENV)/.installed:
+	@$(call check_python,$(PYTHON))
+	@test -x $(LLAMA_VENV)/bin/python || $(PYTHON) -m venv $(LLAMA_VENV)
+	@echo "[peer] llama-cpp-python 0.3.36 into $(LLAMA_VENV) (compiles llama.cpp: ~10 minutes on 2 cores)"
+	@CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(LLAMA_VENV)/bin/python -m pip --disable-pip-version-check -q install \
+		llama-cpp-python==0.3.36 $(QUIET)
+	@touch $@
+
 clean-venv:
-	rm -rf $(VENV) $(PEER_VENV)
+	rm -rf $(VENV) $(PEER_VENV) $(LLAMA_VENV)

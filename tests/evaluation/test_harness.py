@@ -10,7 +10,7 @@ from flexdraft.cli.main import main
 from flexdraft.core.data import BENCH_DATASETS, bench_prompts, check_datasets
 from flexdraft.core.errors import FlexDraftError
 from flexdraft.evaluation.harness import METHODS, HarnessConfig, run_harness
-from flexdraft.evaluation.peers import PEER_VENV, PEERS, WORKER
+from flexdraft.evaluation.peers import PEERS, STACKS
 
 OURS = [m for m in METHODS if m not in PEERS]  # every method that runs in this venv
 
@@ -133,15 +133,18 @@ def test_sampled_harness_run_reports_speed_without_comparing_rows(tmp_path, mlfl
     assert "sampled (temperature 0.8, top-p 0.95)" in md and "n/a (sampled)" in md
 
 
-def test_peer_worker_imports_nothing_of_flexdraft():
-    """The vLLM worker runs in the peer venv, where flexdraft is not installed: it imports the standard library
-    and vLLM only."""
+@pytest.mark.parametrize("stack,imports", [("vllm", {"json", "os", "sys", "time", "vllm"}),
+                                           ("llama.cpp", {"ctypes", "json", "os", "sys", "time", "pathlib",
+                                                          "llama_cpp", "numpy"})])
+def test_peer_workers_import_nothing_of_flexdraft(stack, imports):
+    """A peer's worker runs in the peer's venv, where flexdraft is not installed: it imports the standard library
+    and its stack only."""
     import ast
 
-    tree = ast.parse(WORKER.read_text())
+    tree = ast.parse(STACKS[stack].worker.read_text())
     modules = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     modules |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
-    assert modules == {"json", "os", "sys", "time", "vllm"}
+    assert modules == imports
 
 
 @pytest.mark.peers
@@ -154,7 +157,8 @@ def test_vllm_peer_decodes_what_our_ar_decodes(tmp_path, mlflow_uri, real_folder
 
     from conftest import make_tiny_hf
 
-    if not (REPO / PEER_VENV / "bin" / "python").is_file():
+    venv = REPO / STACKS["vllm"].venv
+    if not (venv / "bin" / "python").is_file():
         pytest.skip("no peer venv: make peer-vllm")
     model = tmp_path / "tiny"
     make_tiny_hf("llama", model, vocab_size=49152, max_position_embeddings=512, hidden_size=128,
@@ -163,7 +167,7 @@ def test_vllm_peer_decodes_what_our_ar_decodes(tmp_path, mlflow_uri, real_folder
         shutil.copy(real_folder / name, model / name)
     cfg = HarnessConfig(model=str(model), dtype="float32", threads=2, datasets=["gsm8k"], samples=2,
                         batch_sizes=[1, 2], max_new_tokens=8, methods=["ar", "vllm"], profile=False,
-                        peer_python=str(REPO / PEER_VENV / "bin" / "python"), output_dir=str(tmp_path / "out"))
+                        peer_python=str(venv / "bin" / "python"), output_dir=str(tmp_path / "out"))
     rows = run_harness(cfg)["rows"]
     assert {(r["method"], r["batch"]) for r in rows} == {(m, b) for m in ("ar", "vllm") for b in (1, 2)}
     for r in rows:
@@ -171,6 +175,24 @@ def test_vllm_peer_decodes_what_our_ar_decodes(tmp_path, mlflow_uri, real_folder
     md = (tmp_path / "out" / "results.md").read_text()
     assert "`vllm` (vLLM 0.32.0" in md and "over the best peer" in md
     assert '"enable_prefix_caching": false' in md
+
+
+@pytest.mark.peers
+def test_llama_cpp_peer_decodes_what_our_ar_decodes(tmp_path, mlflow_uri, monkeypatch):
+    """llama.cpp (its own venv, `make peer-llama`) on the bundled GGUF, which its own quantize tool turns into fp32
+    (our loader dequantises the same file): greedy at batch 1 and 2, its outputs equal our AR's row for row, and the
+    report names the peer's version and flags."""
+    venv = REPO / STACKS["llama.cpp"].venv
+    if not (venv / "bin" / "python").is_file():
+        pytest.skip("no peer venv: make peer-llama")
+    monkeypatch.setenv(STACKS["llama.cpp"].env, str(venv / "bin" / "python"))
+    cfg = HarnessConfig(dtype="float32", threads=2, datasets=["gsm8k"], samples=2, batch_sizes=[1, 2],
+                        max_new_tokens=8, methods=["ar", "llama.cpp"], profile=False, output_dir=str(tmp_path / "out"))
+    rows = run_harness(cfg)["rows"]
+    assert {(r["method"], r["batch"]) for r in rows} == {(m, b) for m in ("ar", "llama.cpp") for b in (1, 2)}
+    for r in rows:
+        assert r["mismatched_rows"] == 0 and r["speedup_peer"] > 0 and r["tokens"] > 0, r
+    assert "`llama.cpp` (llama-cpp-python 0.3.36" in (tmp_path / "out" / "results.md").read_text()
 
 
 def test_the_progress_estimate_prices_each_batch_size_at_its_own_pace():

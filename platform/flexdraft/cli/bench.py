@@ -92,7 +92,8 @@ def register(sub) -> None:
     b.add_argument("--top-p", type=float, help="nucleus sampling with --temperature")
     b.add_argument("--peers", nargs="+", choices=sorted(PEER_GROUPS), default=[],
                    help="also run the stacks a user would run instead, on the same weights, prompts, dtype and cores: "
-                   "vllm = vLLM for CPU, plain and with n-gram speculation (its own venv: `make peer-vllm`)")
+                   "vllm = vLLM for CPU, plain and with n-gram speculation (its own venv: `make peer-vllm`); llama.cpp = "
+                   "llama.cpp through llama-cpp-python on the model's GGUF (`make peer-llama`)")
     add_console_flags(b)
     b.set_defaults(func=cmd_bench)
     lt = sub.add_parser("loadtest", help="concurrent OpenAI-API requests against a local endpoint: tok/s, latencies")

@@ -35,9 +35,9 @@ from flexdraft.engine.runner import build_engine, provenance, resolve_drafter, r
 from flexdraft.engine.stats import NOT_DECODING
 from flexdraft.evaluation.bench import hf_generate, load_hf, timed
 from flexdraft.evaluation.methods import METHODS, OPT_IN, Method, speculative
-from flexdraft.evaluation.peers import Peer, peer_python
+from flexdraft.evaluation.peers import PEERS, Peer, peer_python
 from flexdraft.evaluation.report import line, noise_floor, plot, report, summary
-from flexdraft.models.loading import load_model
+from flexdraft.models.loading import load_model, source_gguf
 from flexdraft.speculative.drafts import Mode
 from flexdraft.speculative.grammar import Grammar
 from flexdraft.speculative.sampling import SamplingParams
@@ -113,8 +113,8 @@ class HarnessConfig:
                                  "a policy file under `policies`")
         if "ar" not in self.methods:
             self.methods = ["ar", *self.methods]  # speed-ups and correctness are measured against it
-        if any(self.method(m).kind == "peer" for m in self.methods):
-            peer_python(self.peer_python)  # its venv named before any work
+        for stack in {PEERS[m].stack for m in self.methods if self.method(m).kind == "peer"}:
+            self.python_of(stack)  # each peer's venv named before any work
         check_datasets(self.datasets)
         if not any(d in BENCH_DATASETS for d in self.datasets):
             raise FlexDraftError(f"no available dataset among {self.datasets}: use some of {', '.join(BENCH_DATASETS)}")
@@ -124,6 +124,10 @@ class HarnessConfig:
             return Method("engine", (("mode", "adaptive"),), f"the policy file {self.policies[name]}",
                           policy=str(self.policies[name]))
         return METHODS[name]
+
+    def python_of(self, stack: str) -> Path:
+        """A peer stack's interpreter (`peer_python` is vLLM's; llama.cpp's: $FLEXDRAFT_LLAMA_PYTHON or its venv)."""
+        return peer_python(stack, self.peer_python if stack == "vllm" else "")
 
     def params(self, max_new_tokens: int | None = None) -> SamplingParams:
         return SamplingParams(max_new_tokens=max_new_tokens or self.max_new_tokens, temperature=self.temperature,
@@ -363,18 +367,21 @@ def _write_results(results: dict, out: Path, profile: str, run_id: str, version)
 
 
 def start_peers(lm, cfg: HarnessConfig, max_len: int, stack: contextlib.ExitStack) -> dict[str, Peer]:
-    """The config's peer methods, each loaded once in its worker on the same weights folder, dtype and threads
-    (a cold vLLM start compiles for minutes; its log goes to stderr), each closed when `stack` closes."""
+    """The config's peer methods, each loaded once in its worker on the same weights (vLLM: the HF folder; llama.cpp:
+    the GGUF it came from), dtype and threads (a cold vLLM start compiles for minutes; its log goes to stderr), each
+    closed when `stack` closes."""
     names = [m for m in cfg.methods if cfg.method(m).kind == "peer"]
     if not names:
         return {}
-    python, threads = peer_python(cfg.peer_python), torch.get_num_threads()
+    threads = torch.get_num_threads()
     dtype = str(lm.model.dtype).removeprefix("torch.")
+    gguf = source_gguf(cfg.model)
     peers = {}
     for name in names:
+        python = cfg.python_of(PEERS[name].stack)
         log.info(f"starting the {name} peer ({python}, {dtype}, {threads} thread(s)): minutes when cold")
         peers[name] = stack.enter_context(Peer(name, python, lm.folder, dtype, threads, max_len,
-                                               max(cfg.batch_sizes)))
+                                               max(cfg.batch_sizes), gguf=gguf, cache_dir=data_dir() / "models"))
     return peers
 
 
@@ -448,7 +455,7 @@ def run_harness(cfg: HarnessConfig) -> dict:
                    "attention": "math" if m.math_attention else "sdpa", "dtype": str(m.dtype).removeprefix("torch."),
                    "prepacked": m.lm_head.packed is not None, "drafter": choice.source, "drafter_eval": choice.prior,
                    "store": store_source, "unavailable": unavailable, "seconds": time.perf_counter() - t_start,
-                   "peers": {n: {"vllm": p.info["vllm"], "flags": p.flags} for n, p in peers.items()},
+                   "peers": {n: {"version": p.info["version"], "flags": p.flags} for n, p in peers.items()},
                    "output_dir": str(out), "summary": summary(rows), "vs_peer": summary(rows, "speedup_peer"),
                    "noise_floor": noise_floor(rows), "rows": rows}
         _write_results(results, out, profile, run.info.run_id, choice.version)

@@ -98,7 +98,7 @@ def report(results: dict) -> str:
         lines.append("* Not run, nothing substituted: " + "; ".join(f"{d} ({why})" for d, why in
                                                                     results["unavailable"].items()) + ".")
     if results.get("peers"):
-        lines.append("* Peers: " + "; ".join(f"`{n}` (vLLM {p['vllm']}, `{json.dumps(p['flags'])}`)"
+        lines.append("* Peers: " + "; ".join(f"`{n}` ({p['version']}, `{json.dumps(p['flags'])}`)"
                                              for n, p in results["peers"].items()) + ".")
     lines += ["", summary_table(results), ""]
     if results.get("vs_peer"):

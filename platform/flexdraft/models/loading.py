@@ -113,6 +113,14 @@ def name_architecture(config: Path) -> None:
     tmp.replace(config)
 
 
+def source_gguf(source: str | Path) -> Path | None:
+    """The GGUF file a model source comes from ('smollm2': the bundled one; a .gguf file), None for a HF folder."""
+    if str(source) == BUNDLED:
+        return bundled_gguf()
+    path = Path(source).expanduser()
+    return path if path.is_file() and path.suffix == ".gguf" else None
+
+
 def resolve_source(source: str | Path) -> Path:
     """Model source -> HF folder: 'smollm2' (bundled), a .gguf file, or a folder with config.json."""
     if str(source) == BUNDLED:

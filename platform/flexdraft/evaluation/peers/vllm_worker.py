@@ -4,7 +4,7 @@ other builds of transformers), so this file imports nothing of flexdraft.
     <peer venv>/bin/python vllm_worker.py '{"model": DIR, "dtype": "bfloat16", "speculative": null, "cpus": "0-1",
                                             "max_model_len": 1024, "max_num_seqs": 16, "enable_prefix_caching": false}'
 
-It loads `vllm.LLM` once, prints {"ready": {...}} and then answers one JSON line per request line:
+It loads `vllm.LLM` once, prints {"ready": {"version": ...}} and then answers one JSON line per request line:
 {"prompts": [[ids]], "batch": b, "max_new_tokens": n, "stop_token_ids": [...]} ->
 {"outputs": [[ids]], "seconds": s, "tau": null, "acceptance_length": vLLM's mean acceptance length over its
 steps that had drafts (1 + accepted / drafted steps), or null}: prompts in static batches of b (batch 1 is one
@@ -38,7 +38,7 @@ def main() -> None:
               max_num_seqs=spec["max_num_seqs"], enable_prefix_caching=spec.get("enable_prefix_caching", True),
               speculative_config=spec["speculative"], seed=0,
               disable_log_stats=False)  # (the stats hold the speculative counters)
-    print(json.dumps({"ready": {"vllm": vllm.__version__}}), file=out, flush=True)
+    print(json.dumps({"ready": {"version": f"vLLM {vllm.__version__}"}}), file=out, flush=True)
     spent = spec_counts(llm)
     for line in sys.stdin:
         req = json.loads(line)
