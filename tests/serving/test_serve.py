@@ -583,20 +583,28 @@ def test_spec_decode_metrics_reach_prometheus(app):
 
 def test_loadtest_reports_every_level_against_the_app_a_baseline_and_a_compared_app(app, tmp_path, monkeypatch):
     """`flexdraft loadtest` through HTTP: 6 streamed requests at concurrency 1 and 2 to `tiny`, the same to a
-    baseline endpoint (`elastic`) and to a compared one (`real`), taking turns in rounds; all answered, with
-    latencies, throughput, the server's accepted length and each one's tok/s ratio to the baseline, in a JSON file
-    and an MLflow run. That run names the app and the registered drafter version `tiny` serves (from /v1/models);
+    baseline endpoint (`elastic`) and to a compared one (`real`), taking turns in rounds, each turn a pause after the
+    one before (a server that stays busy after its turn must not slow the next); all answered, with latencies,
+    throughput, the server's accepted length and each one's tok/s ratio to the baseline, in a JSON file and an MLflow
+    run. That run names the app and the registered drafter version `tiny` serves (from /v1/models);
     the version's LoggedModel holds the speed-ups and the serving replica's acceptance, its tags the last load test."""
     import mlflow
 
     from flexdraft.drafter.registry import lookup
-    from flexdraft.evaluation.loadtest import run_loadtest
+    from flexdraft.evaluation import loadtest
+    from flexdraft.evaluation.loadtest import rounds, run_loadtest
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", app.tracking)  # the apps' server, where their drafter is registered
     monkeypatch.chdir(tmp_path)
+    events, sleep, send = [], loadtest.time.sleep, loadtest.send_level
+    monkeypatch.setattr(loadtest.time, "sleep", lambda s: (events.append(("pause", s)), sleep(s)))
+    monkeypatch.setattr(loadtest, "send_level", lambda base, *a: (events.append(("turn", base)), send(base, *a))[1])
 
-    results = run_loadtest(URL, "gsm8k", [1, 2], 6, stream=True, api_key=KEY, max_tokens=8,
+    results = run_loadtest(URL, "gsm8k", [1, 2], 6, stream=True, api_key=KEY, max_tokens=8, pause=0.25,
                            output=tmp_path / "lt.json", baseline=f"{URL}/elastic", compare={"real": f"{URL}/real"})
+    turns = 3 * (len(rounds(6, 1)) + len(rounds(6, 2)))
+    assert [kind for kind, _ in events] == ["turn"] + ["pause", "turn"] * (turns - 1)
+    assert {s for kind, s in events if kind == "pause"} == {0.25}
     for r in results.values():
         for x in (r, r["baseline"], r["compare"]["real"]):
             assert x["errors"] == 0 and x["output_tokens"] > 0 and x["tokens_per_s"] > 0

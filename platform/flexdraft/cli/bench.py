@@ -42,7 +42,7 @@ def cmd_loadtest(args) -> None:
     import time
 
     from flexdraft.core.config import data_dir
-    from flexdraft.evaluation.loadtest import run_loadtest
+    from flexdraft.evaluation.loadtest import PAUSE, run_loadtest
 
     api_key = args.api_key or os.environ.get("FLEXDRAFT_API_KEY")
     if args.chaos:
@@ -67,7 +67,8 @@ def cmd_loadtest(args) -> None:
     output = args.output or data_dir() / "loadtest" / f"{args.dataset}-{int(time.time())}.json"
     run_loadtest(args.url, args.dataset, args.concurrency, args.requests, stream=args.stream,
                  api_key=api_key, max_tokens=args.max_tokens,
-                 output=output, model=args.model, baseline=args.baseline, compare=compare)
+                 output=output, model=args.model, baseline=args.baseline, compare=compare,
+                 pause=PAUSE if args.pause is None else args.pause)
 
 
 def register(sub) -> None:
@@ -111,6 +112,8 @@ def register(sub) -> None:
     lt.add_argument("--compare", nargs="+", metavar="NAME=URL", default=[], help="more endpoints measured in the same "
                     "rounds (e.g. static=http://127.0.0.1:8000/static ar2=http://127.0.0.1:8000/ar2 for a noise "
                     "floor), each with its tok/s ratio to --baseline")
+    lt.add_argument("--pause", type=float, help="seconds between one endpoint's turn and the next's, so each "
+                    "starts on quiet cores (default: loadtest.PAUSE, 2)")
     lt.add_argument("--output", help="results JSON (default: $FLEXDRAFT_HOME/loadtest/<dataset>-<time>.json)")
     lt.add_argument("--chaos", action="store_true", help="hostile traffic instead (out-of-range, wrong types, "
                     "malformed and oversized bodies, clients that leave): --requests of them at the largest "

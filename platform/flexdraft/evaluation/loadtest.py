@@ -18,6 +18,9 @@ from flexdraft.core.data import BENCH_DATASETS
 from flexdraft.core.errors import FlexDraftError
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+# seconds between one endpoint's turn and the next one's: a server may keep the shared cores busy after its last
+# answer (vLLM's CPU worker ran at ~100% of a core for 1-1.5 s after 16 requests), which the next turn would pay for
+PAUSE = 2.0
 log = logs.get("loadtest")
 
 
@@ -162,13 +165,14 @@ def rounds(requests: int, concurrency: int) -> list[tuple[int, int]]:
 def run_loadtest(url: str, dataset: str, concurrency: list[int], requests: int, stream: bool = True,
                  api_key: str | None = None, max_tokens: int = 64, timeout: float = 300.0,
                  output: str | Path | None = None, model: str | None = None,
-                 baseline: str | None = None, compare: dict[str, str] | None = None) -> dict[int, dict]:
+                 baseline: str | None = None, compare: dict[str, str] | None = None,
+                 pause: float = PAUSE) -> dict[int, dict]:
     """Each concurrency level in turn, `requests` requests each (the same prompts in the same order). baseline: a
     second endpoint (e.g. the same deployment with `mode: ar`); compare: more endpoints by name (e.g. another
     policy, or a second AR app as the noise floor). With either, every endpoint is sent the same requests at every
-    level, taking turns in rounds (`rounds`; round k starts at the k-th endpoint, so none always goes first); each
-    level's result then holds `baseline` and `compare` {name: result}, and each of those and the target has
-    `speedup`, its tok/s over the baseline's."""
+    level, taking turns in rounds (`rounds`; round k starts at the k-th endpoint, so none always goes first), each
+    turn `pause` seconds after the one before; each level's result then holds `baseline` and `compare` {name:
+    result}, and each of those and the target has `speedup`, its tok/s over the baseline's."""
     base = check_url(url)
     endpoints = {"target": base}
     if compare and ({"target", "baseline"} & compare.keys()):
@@ -186,11 +190,14 @@ def run_loadtest(url: str, dataset: str, concurrency: list[int], requests: int, 
     run = lambda endpoint, c, first, n: asyncio.run(send_level(endpoint, prompts, c, first, n, stream, max_tokens,
                                                            headers, timeout, model))
     names = list(endpoints)
-    results = {}
+    results, turns = {}, 0
     for c in concurrency:
         got = {name: ([], 0.0) for name in names}
         for k, (first, n) in enumerate(rounds(requests, c) if len(names) > 1 else [(0, requests)]):
             for name in names[k % len(names):] + names[:k % len(names)]:
+                if turns and len(names) > 1:
+                    time.sleep(pause)
+                turns += 1
                 outcomes, wall = run(endpoints[name], c, first, n)
                 got[name] = (got[name][0] + outcomes, got[name][1] + wall)
         summary = {name: summarize(*got[name]) for name in names}
