@@ -133,6 +133,24 @@ def test_sampled_harness_run_reports_speed_without_comparing_rows(tmp_path, mlfl
     assert "sampled (temperature 0.8, top-p 0.95)" in md and "n/a (sampled)" in md
 
 
+def test_a_llama_cpp_peer_without_its_venv_or_a_gguf_model_is_refused_before_any_work(tmp_path, capsys, monkeypatch):
+    """`--peers llama.cpp` needs its venv (named: `make peer-llama`) and a model that is a GGUF file (the bundled one
+    or a .gguf), not a HF folder: both refused at config time, before a model loads."""
+    import sys
+
+    import yaml
+
+    f = tmp_path / "bench.yaml"
+    f.write_text(yaml.safe_dump({"methods": ["ar", "llama.cpp"]}))
+    monkeypatch.setenv("FLEXDRAFT_LLAMA_PYTHON", str(tmp_path / "nonexistent" / "python"))
+    assert main(["bench", "--config", str(f)]) == 2
+    assert "run `make peer-llama`" in capsys.readouterr().err
+    monkeypatch.setenv("FLEXDRAFT_LLAMA_PYTHON", sys.executable)
+    f.write_text(yaml.safe_dump({"methods": ["ar", "llama.cpp"], "model": str(tmp_path)}))
+    assert main(["bench", "--config", str(f)]) == 2
+    assert "is a HF folder" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("stack,imports", [("vllm", {"json", "os", "sys", "time", "vllm"}),
                                            ("llama.cpp", {"ctypes", "json", "os", "sys", "time", "pathlib",
                                                           "llama_cpp", "numpy"})])

@@ -115,6 +115,9 @@ class HarnessConfig:
             self.methods = ["ar", *self.methods]  # speed-ups and correctness are measured against it
         for stack in {PEERS[m].stack for m in self.methods if self.method(m).kind == "peer"}:
             self.python_of(stack)  # each peer's venv named before any work
+            if stack == "llama.cpp" and source_gguf(self.model) is None:
+                raise FlexDraftError(f"the llama.cpp peer runs a GGUF file and model {self.model} is a HF folder: "
+                                     "give the bundled model or a .gguf file")
         check_datasets(self.datasets)
         if not any(d in BENCH_DATASETS for d in self.datasets):
             raise FlexDraftError(f"no available dataset among {self.datasets}: use some of {', '.join(BENCH_DATASETS)}")

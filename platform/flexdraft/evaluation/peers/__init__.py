@@ -81,9 +81,6 @@ class Peer:
                       "cpus": f"0-{threads - 1}" if threads > 1 else "0", "enable_prefix_caching": prefix_caching}
             shown = ("dtype", "max_model_len", "max_num_seqs", "enable_prefix_caching", "speculative")
         else:
-            if gguf is None:
-                raise FlexDraftError("the llama.cpp peer runs a GGUF model: give the bundled model or a .gguf file, "
-                                     "not a HF folder")
             config = {**common, "gguf": str(gguf), "threads": threads, "cache_dir": str(cache_dir)}
             shown = ("dtype", "max_model_len", "max_num_seqs", "threads")
         self.proc = subprocess.Popen([str(python), str(STACKS[spec.stack].worker), json.dumps(config)],
