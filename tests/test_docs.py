@@ -147,6 +147,7 @@ KERNELS = RESULTS / "2026-12-06-kernels"
 AMX = RESULTS / "2026-12-07-amx"
 PREFILL = RESULTS / "2026-12-07-prefill"
 AMX_ATTENTION = RESULTS / "2026-12-07-amx-attention"
+BATCH16 = RESULTS / "2026-12-07-batch16"
 SERVE, HTTP = RESULTS / "2026-12-04-serve" / "README.md", RESULTS / "2026-12-05-http" / "README.md"
 HEADLINE_ROWS = {  # the README's headline table row -> the harness's method
     "`transformers` `generate` (same weights)": "hf-generate", "`transformers` prompt lookup": "hf-prompt-lookup",
@@ -172,6 +173,8 @@ def readme_figures() -> list[tuple[str, tuple, tuple]]:
     http = table(HTTP, "concurrency", "learned / AR")
     shares = {(r["mode"], r["side"]): r["share of offline"] for r in table(HTTP, "mode", "side", "tok/s")}
     noise = re.search(r"measured ([\d.]+x?)-([\d.]+x?)x of `ar`", DEMO.read_text()).groups()
+    first = "our replica / vLLM's tok/s"
+    served_b16 = table(BATCH16 / "README.md", first, "c1", "c4", "c8", "c16")
     return [
         ("the headline table", tuple(tuple(readme[row]) for row in HEADLINE_ROWS),
          tuple(tuple(demo[m]) for m in HEADLINE_ROWS.values())),
@@ -203,9 +206,13 @@ def readme_figures() -> list[tuple[str, tuple, tuple]]:
          (before_after_span(PREFILL / "generations.md"),)),
         ("attention on AMX tiles, before and after", said(r"attention on AMX tiles, ([\d.]+-[\d.]+)x"),
          (before_after_span(AMX_ATTENTION / "generations.md"),)),
-        ("served beside vLLM on the Xeon", said(r"([\d.]+x) / ([\d.]+x) / ([\d.]+x) / ([\d.]+x) of vLLM's tok/s at "
-                                                r"concurrency 1 / 4 / 8 / 16"),
-         tuple(r["FlexDraft / vLLM"] for r in table(AMX_ATTENTION / "README.md", "concurrency", "FlexDraft tok/s", "vLLM tok/s"))),
+        ("served beside vLLM on the Xeon, adaptive and the AR control",
+         said(r"adaptive ([\d.]+x) / ([\d.]+x) / ([\d.]+x) / ([\d.]+x) of vLLM's tok/s at concurrency 1 / 4 / 8 / 16, "
+              r"the same replica in AR mode ([\d.]+x) / ([\d.]+x) / ([\d.]+x) / ([\d.]+x)"),
+         tuple(cell for mode in ("adaptive", "AR") for row in served_b16 if row[first].startswith(f"{mode}, 2 s")
+               for cell in (row["c1"], row["c4"], row["c8"], row["c16"]))),
+        ("llama.cpp beside our AR on the Xeon", said(r"llama.cpp made ([\d.]+x) / ([\d.]+x) our AR's tok/s"),
+         tuple(summary(BATCH16 / "peers-bf16" / "results.md", "**Speed-up over our AR, mean over the datasets**")["llama.cpp"])),
         ("served, 2026-12-04", said(r"gave ([\d.]+x) at concurrency 1 and ([\d.]+-[\d.]+)x at 2-16, where AR against itself moved ([\d.]+-[\d.]+)x"),
          (served[0]["learned / AR"], span([r["learned / AR"] for r in served[1:]]),
           span([r["ar2 / AR (noise)"] for r in served[1:]]))),
@@ -223,7 +230,7 @@ def test_each_readme_figure_equals_its_results_file():
     wrong = [f"{claim}: the README says {readme}, its results file {source}"
              for claim, readme, source in figures if readme != source]
     assert not wrong, "\n".join(wrong)
-    assert len(figures) == 18
+    assert len(figures) == 19
 
 
 def test_config_paths_in_documented_commands_exist():
