@@ -22,7 +22,7 @@ import torch
 from flexdraft.core.config import RuntimeConfig
 from flexdraft.engine.config import EngineConfig
 from flexdraft.engine.runner import load_engine
-from flexdraft.evaluation.harness import _prompts, load_harness_config
+from flexdraft.evaluation.harness import load_harness_config, prompt_ids
 from flexdraft.speculative.lookup import NgramIndex
 from flexdraft.speculative.sampling import SamplingParams
 
@@ -92,7 +92,7 @@ def main() -> None:
                                    EngineConfig(mode="ar", max_batch=16, max_len=1024))
     costs = {n: forward_costs(lm.model, n) for n in (1, 2, 4, 8, 16)}
     print("16-row forwards, ms:", {T: round(1000 * s, 1) for T, s in costs[16].items()})
-    for dataset, prompts in _prompts(lm, cfg, cfg.datasets).items():
+    for dataset, prompts in prompt_ids(lm, cfg, cfg.datasets).items():
         outputs = [g.token_ids for g in engine.generate(prompts, SamplingParams(max_new_tokens=cfg.max_new_tokens))]
         tokens, ar, _ = replay(prompts, outputs, costs, 0, 1)
         print(f"{dataset}: AR {tokens / ar:.0f} tok/s (priced)")

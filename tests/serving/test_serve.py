@@ -596,8 +596,8 @@ def test_loadtest_reports_every_level_against_the_app_a_baseline_and_a_compared_
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", app.tracking)  # the apps' server, where their drafter is registered
     monkeypatch.chdir(tmp_path)
-    events, sleep, send = [], loadtest.time.sleep, loadtest.send_level
-    monkeypatch.setattr(loadtest.time, "sleep", lambda s: (events.append(("pause", s)), sleep(s)))
+    events, sleep, send = [], loadtest.sleep, loadtest.send_level
+    monkeypatch.setattr(loadtest, "sleep", lambda s: (events.append(("pause", s)), sleep(s)))
     monkeypatch.setattr(loadtest, "send_level", lambda base, *a: (events.append(("turn", base)), send(base, *a))[1])
 
     results = run_loadtest(URL, "gsm8k", [1, 2], 6, stream=True, api_key=KEY, max_tokens=8, pause=0.25,

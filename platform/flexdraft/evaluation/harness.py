@@ -341,7 +341,7 @@ def step_profile(engine: Engine, prompt: list[int], steps: int = 5, rows: int = 
 
 # -------------------------------------------------------------------------------------------- the run
 
-def _prompts(lm, cfg: HarnessConfig, datasets: list[str]) -> dict[str, list[list[int]]]:
+def prompt_ids(lm, cfg: HarnessConfig, datasets: list[str]) -> dict[str, list[list[int]]]:
     """Each dataset's prompt ids (the same for every method; multi-turn sets carry the model's own answers)."""
     n = max(cfg.samples, max(cfg.batch_sizes))
     answer = lambda ps: [g.token_ids for g in generate(  # noqa: E731
@@ -415,7 +415,7 @@ def run_harness(cfg: HarnessConfig) -> dict:
         f"{choice.source or 'none'}; n-gram store {store_source or 'none'}; {len(datasets)} dataset(s) x batch "
         f"{cfg.batch_sizes} x {len(cfg.methods)} methods")
 
-    prompts = _prompts(lm, cfg, datasets)
+    prompts = prompt_ids(lm, cfg, datasets)
     B = choice.drafter.config.block_size if choice.drafter is not None else 8  # (lookup alone: 8 drafts)
     max_len = min(lm.model.args.max_position_embeddings,  # (the step profile decodes up to 64 tokens)
                   max(len(p) for ps in prompts.values() for p in ps) + max(cfg.max_new_tokens, 64) + (B + 1) + (B + 1) ** 2)

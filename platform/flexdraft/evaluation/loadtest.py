@@ -12,6 +12,7 @@ import time
 import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
+from time import sleep
 
 from flexdraft.core import logs
 from flexdraft.core.data import BENCH_DATASETS
@@ -196,7 +197,7 @@ def run_loadtest(url: str, dataset: str, concurrency: list[int], requests: int, 
         for k, (first, n) in enumerate(rounds(requests, c) if len(names) > 1 else [(0, requests)]):
             for name in names[k % len(names):] + names[:k % len(names)]:
                 if turns and len(names) > 1:
-                    time.sleep(pause)
+                    sleep(pause)
                 turns += 1
                 outcomes, wall = run(endpoints[name], c, first, n)
                 got[name] = (got[name][0] + outcomes, got[name][1] + wall)
