@@ -144,9 +144,9 @@ def stack_wanted() -> bool:
 def use_decoder_stack(x: torch.Tensor, H: int, Hkv: int, D: int) -> bool:
     """Whether a forward of embedded tokens x [B, T, d] can run its layers as one C++ call (`decoder_stack`): where
     every op of its body takes a kernel (inference on CPU, decode_attention's shapes), so the call computes what the
-    Python layers would; at any row count (past 64 rows the GEMMs are oneDNN's, and the interpreter's ~5 ms per
-    forward is still 0.87-0.90x of a 16 x 5 or 16 x 9 bf16 verify's time). `Transformer.stack_paths` adds the GEMMs'
-    paths."""
+    Python layers would; at any row count: past 64 rows the GEMMs are oneDNN's, and the stack still saves the
+    interpreter's ~5 ms per forward (a 16-row bf16 verify of 5 or 9 tokens in 0.87-0.88x the time).
+    `Transformer.stack_paths` adds the GEMMs' paths."""
     B, T = x.shape[0], x.shape[1]
     return decode_attention_fits(B, T, H, Hkv, D) and x.is_contiguous() and fused(x)
 
