@@ -389,6 +389,25 @@ def test_real_model_greedy_lossless_with_trained_drafter(real_lm, gsm8k_prompts)
         assert [g.token_ids for g in engine.generate(prompts, params)] == ref, mode
 
 
+def test_a_default_drafter_for_other_weights_is_passed_over_unless_a_drafter_is_required(tiny, tmp_path, monkeypatch):
+    """With no drafter named, the default pipeline's drafter is the one used; one trained for other base weights is
+    passed over, with the reason, where nothing needs a drafter (AR, lookup, a harness of AR and peers), and refused
+    with a named error where a speculative mode needs it."""
+    from flexdraft.drafter.model import save_drafter
+    from flexdraft.engine.runner import resolve_drafter
+
+    monkeypatch.setenv("FLEXDRAFT_HOME", str(tmp_path / "home"))
+    make_tiny_hf("llama", tmp_path / "other", seed=1)
+    other = load_model(tmp_path / "other", CPU32, with_tokenizer=False).model
+    save_drafter(Drafter.from_target(other, DrafterConfig(k=2, block_size=4)), default_drafter_dir(), "other",
+                 other.fingerprint)
+    assert resolve_drafter(None, other, required=True).drafter is not None  # its own weights: used
+    choice = resolve_drafter(None, tiny, required=False)
+    assert choice.drafter is None and "trained for other base weights" in choice.why_none
+    with pytest.raises(FlexDraftError, match="other base weights"):
+        resolve_drafter(None, tiny, required=True)
+
+
 def default_or_init_drafter(model):
     from flexdraft.engine.runner import resolve_drafter
 

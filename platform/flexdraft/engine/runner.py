@@ -35,13 +35,15 @@ class DrafterChoice:
     prior: dict | None  # the drafter's validation agreement (seeds the acceptance model)
     fingerprint: str = ""  # of its weights file ("init-k<k>-B<B>" for init): what a policy is measured for
     version: Version | None = None  # the registered version a models:/ source resolved to
+    why_none: str = ""  # with no drafter: why not the default pipeline's
 
 
 def resolve_drafter(spec: str | None, target, required: bool) -> DrafterChoice:
     """spec: a drafter folder, a models:/ URI (`drafter.registry`: downloaded once, refused before its download
     when registered for other target weights), "init" (projectors copied from the target, calibration zero:
     lossless, slow), or None = the default pipeline's drafter if it exists, made ready for inference beside
-    `target`. required: a speculative mode was asked for."""
+    `target`. required: a speculative mode was asked for; without it, a default drafter trained for other base
+    weights is passed over (nothing asked for it), where a named or required one is refused."""
     if spec == "init":  # the default shape, with fewer tuned layers on a model too shallow for it
         cfg = DrafterConfig()
         cfg.k = min(cfg.k, max(1, target.args.n_layers // 2))
@@ -57,7 +59,9 @@ def resolve_drafter(spec: str | None, target, required: bool) -> DrafterChoice:
             raise FlexDraftError(f"no drafter given and the default one ({folder}) does not exist: train it with "
                                  "`flexdraft pipeline`, pass --drafter PATH|models:/NAME@ALIAS, or --drafter init "
                                  "(untrained)")
-        return DrafterChoice(None, "", None)
+        return DrafterChoice(None, "", None, why_none=f"the default {folder} does not exist")
+    if not spec and not required and read_drafter_meta(folder)["base_fingerprint"] != target.fingerprint:
+        return DrafterChoice(None, "", None, why_none=f"the default {folder} was trained for other base weights")
     drafter = load_drafter(folder, target).to_runtime(target)
     source = f"{spec} (version {version.version})" if version and not spec.endswith(f"/{version.version}") else spec
     # of the bytes this process loads (what a replica reports serving): a registered version's was just checked
@@ -171,7 +175,7 @@ def load_engine(model: str, runtime: RuntimeConfig, drafter_spec: str | None, cf
     if choice.source:
         note = f"[drafter: {choice.source}; mode {cfg.mode}" + (f", policy {policy_spec}]" if policy else "]")
     else:
-        note = f"[no drafter (the default {default_drafter_dir()} does not exist): mode {cfg.mode}]"
+        note = f"[no drafter ({choice.why_none}): mode {cfg.mode}]"
     store, source = resolve_store(store_spec, model, lm.model.args.vocab_size) if cfg.lookup else (None, "")
     if source and cfg.mode in (Mode.LOOKUP, Mode.ADAPTIVE):
         note = note[:-1] + f"; n-gram store {source}]"
