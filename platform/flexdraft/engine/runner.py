@@ -60,14 +60,15 @@ def resolve_drafter(spec: str | None, target, required: bool) -> DrafterChoice:
                                  "`flexdraft pipeline`, pass --drafter PATH|models:/NAME@ALIAS, or --drafter init "
                                  "(untrained)")
         return DrafterChoice(None, "", None, why_none=f"the default {folder} does not exist")
-    if not spec and not required and read_drafter_meta(folder)["base_fingerprint"] != target.fingerprint:
+    meta = read_drafter_meta(folder)
+    if not spec and not required and meta["base_fingerprint"] != target.fingerprint:
         return DrafterChoice(None, "", None, why_none=f"the default {folder} was trained for other base weights")
     drafter = load_drafter(folder, target).to_runtime(target)
     source = f"{spec} (version {version.version})" if version and not spec.endswith(f"/{version.version}") else spec
     # of the bytes this process loads (what a replica reports serving): a registered version's was just checked
     # against the file by `registry.resolve`, cached or not; a folder's is hashed here
     digest = (version and version.tag("weights_digest")) or registry.weights_digest(folder)
-    return DrafterChoice(drafter, source or str(folder), read_drafter_meta(folder).get("eval"), digest, version)
+    return DrafterChoice(drafter, source or str(folder), meta.get("eval"), digest, version)
 
 
 def provenance(choice: DrafterChoice) -> dict[str, str]:
