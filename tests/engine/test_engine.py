@@ -18,7 +18,7 @@ from engine_fixtures import (  # noqa: F401 (fixtures)
     tiny_vocabulary,
 )
 from flexdraft.core.config import RuntimeConfig
-from flexdraft.core.errors import FlexDraftError
+from flexdraft.core.errors import FieldError, FlexDraftError
 from flexdraft.drafter.model import Drafter, DrafterConfig, load_drafter, parallel_forward, read_drafter_meta
 from flexdraft.drafter.recipe import default_drafter_dir
 from flexdraft.engine.ar import generate, prefill
@@ -350,6 +350,10 @@ def test_bad_input_is_named_and_the_engine_keeps_serving(tiny, drafters):
         engine.add_request(list(range(3, 33)), SamplingParams(max_new_tokens=10))
     with pytest.raises(FlexDraftError, match="outside the vocabulary"):
         engine.add_request([5, 500], SamplingParams())
+    for ids in ([96], [2 ** 31 - 1]):  # (a stop id past V indexed the logits in a step: two failed steps)
+        with pytest.raises(FieldError, match="stop_token_ids has token id .* outside the vocabulary of 96") as e:
+            engine.add_request([5], SamplingParams(max_new_tokens=8, min_tokens=4, stop_token_ids=tuple(ids)))
+        assert e.value.field == "stop_token_ids"
     with pytest.raises(FlexDraftError, match="top_p"):
         engine.add_request([5], SamplingParams(temperature=1.0, top_p=0.0))
     with pytest.raises(FlexDraftError, match="no running or waiting request with id 99"):

@@ -144,7 +144,9 @@ def test_penalties_count_the_drafts_accepted_earlier_in_the_same_step(tiny, draf
 
 
 def test_bad_processing_is_named():
-    for kw, word in (({"repetition_penalty": 0.0}, "repetition_penalty"), ({"min_tokens": 9}, "min_tokens"),
+    for kw, word in (({"repetition_penalty": 0.0}, "repetition_penalty"), ({"repetition_penalty": 1e-45},
+                      "repetition_penalty"), ({"repetition_penalty": 5e-324}, "repetition_penalty"),
+                     ({"min_tokens": 9}, "min_tokens"),
                      ({"logit_bias": ((-1, 1.0),)}, "logit_bias"), ({"logprobs": 21}, "logprobs"),
                      ({"presence_penalty": float("nan")}, "presence_penalty")):
         with pytest.raises(FlexDraftError, match=word):
@@ -300,6 +302,66 @@ def test_json_schema_output_is_the_constrained_reference_and_validates(smol, mod
     assert engine.totals.num_drafts > 0
     if drafts == "right":
         assert engine.totals.num_accepted_tokens > sum(map(len, refs)) / 2
+
+
+SHORT = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("mode", ["sequential", "tree"])
+def test_the_grammar_wins_over_min_tokens_and_ignore_eos(smol, mode):
+    """min_tokens past where the value completes, and ignore_eos, greedy and sampled, with drafts: each choice
+    ends with EOS right after its complete JSON value (the grammar allows nothing else there) and parses; a
+    request without a grammar still runs to min_tokens / max_tokens as it asks."""
+    import json
+
+    import jsonschema
+
+    from flexdraft.core.data import chat_ids
+    from flexdraft.speculative.grammar import Grammar, Grammars
+
+    lm, _, drafter = smol
+    tok = lm.tokenizer
+    prompt = chat_ids(tok, [{"role": "user", "content": "Is it ok? Answer as JSON."}])
+    engine = Engine(lm.model, drafter, EngineConfig(mode=mode, max_batch=8, max_len=256),
+                    eos_token_ids=[tok.eos_token_id], grammars=Grammars(tok, lm.model.args.vocab_size))
+    grammar = Grammar.json_schema(SHORT)
+    asks = [dict(min_tokens=30), dict(ignore_eos=True), dict(min_tokens=30, ignore_eos=True)]
+    params = [SamplingParams(max_new_tokens=40, grammar=grammar, **ask, **how) for ask in asks
+              for how in (dict(), dict(temperature=1.0, seed=3))]
+    free = [SamplingParams(max_new_tokens=40, min_tokens=30), SamplingParams(max_new_tokens=40, ignore_eos=True)]
+    out = run(engine, [prompt] * (len(params) + 2), params + free)
+    for g in out[:-2]:
+        assert g.finish_reason == "eos" and g.token_ids[-1] == tok.eos_token_id
+        assert tok.eos_token_id not in g.token_ids[:-1] and len(g.token_ids) < 30
+        jsonschema.validate(json.loads(tok.decode(g.token_ids, skip_special_tokens=True)), SHORT)
+    assert len(out[-2].token_ids) >= 30 and tok.eos_token_id not in out[-2].token_ids[:29]
+    assert len(out[-1].token_ids) == 40
+
+
+def test_a_grammar_that_fails_mid_answer_ends_it_with_an_error_not_eos(smol):
+    """A schema llguidance compiles but cannot follow past its first token (600 optional properties: a parser row
+    over its 2,000-item limit after a lone `{`, which logit_bias makes the first token) ends the request with
+    finish_reason "error" and llguidance's reason, never "eos" with text that does not parse; a `$ref` cycle is
+    refused when it is compiled, before any token."""
+    from flexdraft.core.data import chat_ids
+    from flexdraft.speculative.grammar import Grammar, Grammars
+
+    lm, _, drafter = smol
+    tok = lm.tokenizer
+    grammars = Grammars(tok, lm.model.args.vocab_size)
+    with pytest.raises(FlexDraftError, match="grammar is not valid"):
+        grammars.compile(Grammar.json_schema({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+                                              "$ref": "#/$defs/a"}))
+    wide = Grammar.json_schema({"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(600)}})
+    engine = Engine(lm.model, drafter, EngineConfig(mode="sequential", max_batch=4, max_len=256),
+                    eos_token_ids=[tok.eos_token_id], grammars=grammars)
+    prompt = chat_ids(tok, [{"role": "user", "content": "JSON please."}])
+    plain = SamplingParams(max_new_tokens=12)
+    brace = tok.convert_tokens_to_ids("{")
+    out = run(engine, [prompt, prompt], [SamplingParams(max_new_tokens=40, grammar=wide, logit_bias=((brace, 100.0),)),
+                                         plain])
+    assert out[0].finish_reason == "error" and "max is 2000" in out[0].error
+    assert out[1].finish_reason == "length" and out[1].error is None  # (its neighbour is untouched)
 
 
 def byte_level_tokenizer(vocab: list[str]):

@@ -17,7 +17,7 @@ from flexdraft.engine.engine import Engine
 from flexdraft.models.loading import load_model
 from flexdraft.serving.async_engine import AsyncEngine, EngineFailed, EngineUnavailable, built_apart
 from flexdraft.serving.config import ServeConfig, apply_live
-from flexdraft.serving.openai_api import APIError, TextStream, parse_request
+from flexdraft.serving.openai_api import APIError, TextStream, compile_grammar, parse_request
 from flexdraft.speculative.sampling import SamplingParams
 
 
@@ -406,6 +406,16 @@ def test_a_policy_in_user_config_owns_its_knobs_and_live_changes_leave_them(part
     assert e.config.switch_batch == 2 and e.band(3).mode == "sequential"
 
 
+@pytest.fixture(scope="module")
+def compiler(real_lm):
+    from flexdraft.serving.grammar_compiler import GrammarCompiler
+    from flexdraft.speculative.grammar import Grammars
+
+    c = GrammarCompiler(Grammars(real_lm.tokenizer, real_lm.model.args.vocab_size), timeout_s=1.0)
+    yield c
+    c.close()
+
+
 @pytest.mark.parametrize("body,chat,status,param", [
     ([1, 2], False, 400, None),
     ({"prompt": "hi", "n": 17}, False, 400, "n"),
@@ -453,6 +463,8 @@ def test_a_policy_in_user_config_owns_its_knobs_and_live_changes_leave_them(part
     ({"prompt": "hi", "ignore_eos": "yes"}, False, 400, "ignore_eos"),
     ({"prompt": "hi", "stop_token_ids": [-1]}, False, 400, "stop_token_ids"),
     ({"prompt": "hi", "stop_token_ids": list(range(65))}, False, 400, "stop_token_ids"),
+    ({"prompt": "hi", "repetition_penalty": 1e-45}, False, 400, "repetition_penalty"),  # its logits overflow to NaN
+    ({"prompt": "hi", "repetition_penalty": 0.009}, False, 400, "repetition_penalty"),
     # values of the right JSON type that the layers beneath cannot take
     ({"prompt": "hi", "seed": 2 ** 70}, False, 400, "seed"),  # torch.Generator.manual_seed overflows
     ({"prompt": "hi", "temperature": float("nan")}, False, 400, "temperature"),  # Python's JSON reads NaN
@@ -476,11 +488,40 @@ def test_a_policy_in_user_config_owns_its_knobs_and_live_changes_leave_them(part
     ({"prompt": "hi", "flexdraft": {"speculation": "no"}}, False, 400, "flexdraft"),
 ])
 @pytest.mark.real_model
-def test_bad_requests_get_an_openai_error_naming_the_field(real_lm, body, chat, status, param):
+def test_bad_requests_get_an_openai_error_naming_the_field(real_lm, compiler, body, chat, status, param):
+    """Parsed and their grammar compiled, as a replica does before the engine sees them."""
     with pytest.raises(APIError) as err:
-        parse_request(body, chat, "smollm2", real_lm.tokenizer, 512, 16)
+        compile_grammar(parse_request(body, chat, "smollm2", real_lm.tokenizer, 512, 16), compiler)
     assert err.value.status == status and err.value.param == param
     assert set(err.value.body()["error"]) == {"message", "type", "param", "code"}
+
+
+def _schema_request(schema: dict):
+    return {"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}}
+
+
+@pytest.mark.real_model
+def test_grammars_that_crash_or_stall_the_compiler_are_a_400_and_the_next_one_compiles(real_lm, compiler):
+    """A `$ref` chain that overflows llguidance's stack (SIGSEGV: it killed the replica when compiled in it), a
+    schema that compiles past the budget and a `$ref` cycle that matches nothing are each a 400 naming
+    response_format; the compiler's child is replaced and the next grammar compiles into what the engine copies."""
+    from flexdraft.speculative.grammar import CompiledGrammar
+
+    chain = {"$defs": {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(3000)} | {"d3000": {"type": "integer"}},
+             "$ref": "#/$defs/d0"}
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(5000)}}
+    cycle = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+    crashes, timeouts = compiler.crashes, compiler.timeouts
+    for schema, says in ((chain, r"crashed the grammar compiler \(signal 11\)"), (wide, "longer than 1 s to compile"),
+                         (cycle, "not valid")):
+        req = parse_request(_schema_request(schema), False, "smollm2", real_lm.tokenizer, 512, 16)
+        with pytest.raises(APIError, match=says) as err:
+            compile_grammar(req, compiler)
+        assert (err.value.status, err.value.param) == (400, "response_format")
+    assert (compiler.crashes - crashes, compiler.timeouts - timeouts) == (1, 1)
+    req = parse_request(_schema_request({"type": "object"}), False, "smollm2", real_lm.tokenizer, 512, 16)
+    compile_grammar(req, compiler)
+    assert isinstance(req.params.grammar, CompiledGrammar)
 
 
 @pytest.mark.real_model

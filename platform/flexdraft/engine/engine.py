@@ -134,9 +134,10 @@ class Engine:
         bad = [t for t in prompt if not 0 <= t < V]
         if bad:
             raise FlexDraftError(f"prompt has token id {bad[0]} outside the vocabulary of {V}")
-        bad = [t for t, _ in params.logit_bias if t >= V]
-        if bad:
-            raise FieldError("logit_bias", f"logit_bias has token id {bad[0]} outside the vocabulary of {V}")
+        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in ids if t >= V]
+            if bad:
+                raise FieldError(name, f"{name} has token id {bad[0]} outside the vocabulary of {V}")
         if params.grammar is not None and self.grammars is None:
             raise FlexDraftError("this engine has no tokenizer to compile grammars with (Engine(grammars=...))")
         need = self.slots_needed(len(prompt), params.max_new_tokens)

@@ -15,16 +15,17 @@ from flexdraft.speculative.sampling import TokenLogprob, token_logprobs
 
 
 def processed(logits: torch.Tensor, requests: list[Request], drafts: Drafts | None) -> torch.Tensor:
-    """logits [n, T, V] of the requests' rows (drafts: the step's; None at a prefill) -> as each request's
-    penalties, bias and min_tokens make them (`penalties.penalised`), then masked by its grammar
-    (`grammar.constrained`); the same tensor when no request asks for either."""
+    """logits [n, T, V] of the requests' rows (drafts: the step's; None at a prefill) -> masked by each request's
+    grammar (`grammar.constrained`), then as its penalties, bias and min_tokens make them (`penalties.penalised`);
+    the same tensor when no request asks for either. The grammar goes first so that it wins: min_tokens holds a
+    stop token back only where the grammar allows another token (a complete JSON value allows only EOS)."""
+    rows = [i for i, r in enumerate(requests) if r.matcher is not None]
+    if rows:
+        logits = constrained(logits, rows, [requests[i].matcher for i in rows], drafts)
     rows = [i for i, r in enumerate(requests) if r.params.processes]
     if rows:
         logits = penalised(logits, rows, [requests[i].params for i in rows],
                            [History(requests[i].prompt, requests[i].tokens, requests[i].stop) for i in rows], drafts)
-    rows = [i for i, r in enumerate(requests) if r.matcher is not None]
-    if rows:
-        logits = constrained(logits, rows, [requests[i].matcher for i in rows], drafts)
     return logits
 
 

@@ -57,6 +57,7 @@ class Request:
     stop: set[int] = field(default_factory=set)  # tokens that end it: params.stop_ids(the model's EOS ids)
     logprobs: list[TokenLogprob] | None = None  # one per token (params.logprobs set)
     matcher: Matcher | None = None  # its grammar's state after its tokens (params.grammar set)
+    error: str | None = None  # why it ended with finish_reason "error" (its grammar could not go on)
 
     def emit(self, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> list[int]:
         """Append tokens (and their logprobs, when the request asks), cut at a stop token or max_new_tokens -> the
@@ -71,6 +72,9 @@ class Request:
         self.tokens.extend(emitted)
         if self.matcher is not None:
             self.matcher.consume(emitted)
+            if self.matcher.error is not None:  # (the EOS its error state allowed is not a finished answer)
+                self.finish_reason, self.error = "error", f"the grammar failed after {len(self.tokens)} tokens: " \
+                    f"{self.matcher.error}"
         if self.logprobs is not None:
             self.logprobs.extend(logprobs[: len(emitted)])
         if self.index is not None:
@@ -85,7 +89,7 @@ class Request:
         tau = (len(self.tokens) - 1) / self.forwards if self.forwards else 1.0
         share = {mode: count / self.forwards for mode, count in self.modes.items()}
         return Generation(self.tokens, self.finish_reason, 0.0, len(self.prompt),
-                          GenerationStats(self.accepted, tau, self.forwards, share), self.logprobs)
+                          GenerationStats(self.accepted, tau, self.forwards, share), self.logprobs, self.error)
 
 
 def draft_caps(requests: list[Request], B: int, online: bool = True) -> list[int]:

@@ -38,6 +38,7 @@ class ServeConfig:
     request_timeout_s: float = 600.0  # a request still decoding after this long ends with 504 (its row freed)
     drain_timeout_s: float = 60.0  # a reconfigure that needs a new engine lets the old one finish this long
     max_body_bytes: int = 1 << 20  # larger request bodies get 413 before they are read whole
+    grammar_timeout_s: float = 5.0  # a response_format grammar that takes longer to compile is a 400
     insecure: bool = False  # serve beyond loopback without an API key (refused otherwise: fail closed)
 
     def __post_init__(self):
@@ -51,8 +52,10 @@ class ServeConfig:
                                          and self.drafter_version.isdigit()):
             raise FlexDraftError(f"user_config.drafter_version {self.drafter_version!r} pins the version of a "
                                  "registered alias: it needs drafter: models:/NAME@ALIAS and a version number")
-        if self.request_timeout_s <= 0 or self.drain_timeout_s < 0 or self.max_body_bytes < 1024:
-            raise FlexDraftError("request_timeout_s must be > 0, drain_timeout_s >= 0 and max_body_bytes >= 1024")
+        if self.request_timeout_s <= 0 or self.drain_timeout_s < 0 or self.max_body_bytes < 1024 \
+                or self.grammar_timeout_s <= 0:
+            raise FlexDraftError("request_timeout_s and grammar_timeout_s must be > 0, drain_timeout_s >= 0 and "
+                                 "max_body_bytes >= 1024")
 
     def engine_config(self) -> EngineConfig:
         return from_dict(EngineConfig, self.engine, ".engine")

@@ -159,12 +159,18 @@ def _grammar(response_format) -> Grammar | None:
         return JSON_OBJECT
     if response_format.json_schema is None:
         raise APIError(400, "'response_format' of type json_schema needs 'json_schema'", "response_format")
-    grammar = Grammar.json_schema(response_format.json_schema.schema_)
+    return Grammar.json_schema(response_format.json_schema.schema_)  # (compiled apart: `compile_grammar`)
+
+
+def compile_grammar(req: Request, compiler) -> None:
+    """Compile the request's grammar (a `GrammarCompiler`: in a child process first, within its time budget) into
+    the form its choices copy; a 400 naming `response_format` if it is invalid, too slow or crashes the compiler."""
+    if req.params.grammar is None:
+        return
     try:
-        grammar.compiled()  # (made here, off the engine thread)
+        req.params.grammar = compiler.compile(req.params.grammar)
     except FlexDraftError as e:
-        raise APIError(400, f"'response_format': {e}", "response_format") from None
-    return grammar
+        raise APIError(400, f"'response_format': {e}", "response_format", code="invalid_grammar") from None
 
 
 def _draft_cap(options) -> int | None:

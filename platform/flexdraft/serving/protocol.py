@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from flexdraft.speculative.sampling import MAX_LOGPROBS, SEED_RANGE
+from flexdraft.speculative.sampling import MAX_LOGPROBS, REPETITION_PENALTY_RANGE, SEED_RANGE
 
 MAX_TEXT_CHARS = 1_000_000  # a prompt or message (the body limit bounds the whole request too)
 MAX_PROMPT_TOKENS = 1 << 20  # a token-id prompt; the engine's cache bounds it again per deployment
@@ -86,7 +86,8 @@ class _Sampling(_Strict):
     # the target's distribution as the request asks (each draft is verified against exactly it)
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
-    repetition_penalty: Annotated[float, Field(gt=0, le=10, allow_inf_nan=False)] | None = Field(
+    repetition_penalty: Annotated[float, Field(ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1],
+                                               allow_inf_nan=False)] | None = Field(
         None, description="vLLM extension: a prompt or output token's logit divided by this (times, if negative)")
     logit_bias: Annotated[dict[TokenIdKey, Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]],
                           Field(max_length=300)] | None = None

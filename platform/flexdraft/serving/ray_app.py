@@ -27,6 +27,7 @@ from flexdraft.core.config import from_dict
 from flexdraft.core.errors import FlexDraftError
 from flexdraft.serving.async_engine import AsyncEngine, Chunk, EngineFailed, EngineUnavailable, built_apart
 from flexdraft.serving.config import ServeConfig, apply_live, build, check_exposure
+from flexdraft.serving.grammar_compiler import GrammarCompiler
 from flexdraft.serving.metrics import Metrics
 from flexdraft.serving.middleware import Guard, GuardSettings
 from flexdraft.serving.mlflow_reporter import MlflowReporter
@@ -38,6 +39,7 @@ from flexdraft.serving.openai_api import (
     choice,
     choice_params,
     chunk,
+    compile_grammar,
     finish_reason,
     fit_to_engine,
     logprobs_body,
@@ -81,6 +83,8 @@ async def _unexpected(request: Request, exc: Exception):
 
 def _engine_error(e: Exception, cfg: ServeConfig) -> APIError:
     """What a request's failure in the engine means to its client."""
+    if isinstance(e, APIError):
+        return e
     if isinstance(e, TimeoutError):
         return APIError(504, f"the request took longer than request_timeout_s={cfg.request_timeout_s}", kind="timeout")
     if isinstance(e, EngineUnavailable):
@@ -125,6 +129,9 @@ class Reader:
             async with asyncio.timeout(timeout_s):
                 async for c in self.stream:
                     self.t_first = self.t_first or time.perf_counter()
+                    if c.finished is not None and c.finished.finish_reason == "error":  # (its text would not parse)
+                        raise APIError(400, f"'response_format': {c.finished.error}", "response_format",
+                                       code="grammar_failed")
                     self.ids += c.tokens
                     self.logprobs += c.logprobs or []
                     delta = self.text.add(c.tokens, final=c.finished is not None)
@@ -169,6 +176,8 @@ class FlexDraftServer:
         self.card: dict[str, str] = {}
         self.metrics = Metrics()
         self.tokenize = ThreadPoolExecutor(1, thread_name_prefix="flexdraft-tokenize")  # off the event loop
+        self.compile = ThreadPoolExecutor(1, thread_name_prefix="flexdraft-grammar")  # (slow ones delay no prompt)
+        self.compiler: GrammarCompiler | None = None
         self.replica = serve.get_replica_context().replica_tag
 
     def reconfigure(self, user_config: dict) -> None:
@@ -194,7 +203,10 @@ class FlexDraftServer:
             lm, engine, note, where = built_apart(lambda: build(cfg))
         except FlexDraftError as e:
             raise ValueError(f"bad user_config: {e}") from None
-        old, old_reporter, self.lm, self.cfg = self.engine, self.reporter, lm, cfg
+        old, old_reporter, old_compiler, self.lm, self.cfg = self.engine, self.reporter, self.compiler, lm, cfg
+        self.compiler = GrammarCompiler(engine.grammars, cfg.grammar_timeout_s) if engine.grammars else None
+        if self.compiler is not None:
+            self.compile.submit(self.compiler.start)  # (its child starts beside the first requests)
         self.texts = TokenTexts(lm.tokenizer)
         Guard.configure(GuardSettings(cfg.max_body_bytes, cfg.api_key_env))
         self.name = cfg.served_model_name or lm.name
@@ -219,6 +231,8 @@ class FlexDraftServer:
                     log.info(f"serving run {run_id} of a replica gone without a heartbeat: ended as KILLED")
         if old_reporter is not None:
             old_reporter.stop()
+        if old_compiler is not None:
+            old_compiler.close()
         if old is not None:
             old.drain(cfg.drain_timeout_s)  # its requests finish there; past the timeout they get 503
 
@@ -242,6 +256,8 @@ class FlexDraftServer:
             self.reporter.stop()
         if getattr(self, "engine", None) is not None:
             self.engine.shutdown()
+        if getattr(self, "compiler", None) is not None:
+            self.compiler.close()
 
     # ------------------------------------------------------------------ routes
 
@@ -272,14 +288,18 @@ class FlexDraftServer:
 
     async def _generate(self, body, chat: bool):
         t0 = time.perf_counter()  # (x-request-id: Serve's proxy honours the client's or makes one, and echoes it)
-        engine, cfg = self.engine, self.cfg
+        engine, cfg, compiler = self.engine, self.cfg, self.compiler
+        loop = asyncio.get_running_loop()
         try:  # tokenising and templating a long prompt takes milliseconds: not on the event loop
-            req = await asyncio.get_running_loop().run_in_executor(
-                self.tokenize, parse_request, body, chat, self.name, self.lm.tokenizer, engine.engine.config.max_len,
-                cfg.default_max_tokens)
+            req = await loop.run_in_executor(self.tokenize, parse_request, body, chat, self.name, self.lm.tokenizer,
+                                             engine.engine.config.max_len, cfg.default_max_tokens)
             fit_to_engine(req, engine.engine)
+            if req.params.grammar is not None:  # (compiled apart from the engine thread and the replica's process)
+                await loop.run_in_executor(self.compile, compile_grammar, req, compiler)
         except APIError as e:
             return _error(e)
+        except EngineUnavailable as e:
+            return _error(_engine_error(e, cfg))
         # each choice is a request of its own in the engine's batch (they share the prompt's prefill)
         readers = [Reader(engine.generate(req.prompt_ids, params), TextStream(self.lm.tokenizer, req.stop))
                    for params in choice_params(req)]
@@ -290,7 +310,7 @@ class FlexDraftServer:
         try:  # (a choice that fails cancels the others: their rows are freed)
             async with asyncio.TaskGroup() as group:
                 tasks = [group.create_task(r.whole(cfg.request_timeout_s)) for r in readers]
-        except* (FlexDraftError, EngineFailed, TimeoutError) as failed:
+        except* (FlexDraftError, EngineFailed, TimeoutError, APIError) as failed:
             failure = failed.exceptions[0]
         if failure is not None:
             return _error(_engine_error(failure, cfg))
@@ -315,7 +335,7 @@ class FlexDraftServer:
                 async for body in reader.chunks(req, self.texts, index, timeout_s):
                     await queue.put(body)
                 await queue.put(None)
-            except (FlexDraftError, EngineFailed, TimeoutError) as e:
+            except (FlexDraftError, EngineFailed, TimeoutError, APIError) as e:
                 await queue.put(_engine_error(e, self.cfg))
             except Exception as e:  # noqa: BLE001 - a bug: the stream still ends, with a 500 event
                 log.error(f"stream of choice {index} failed: {type(e).__name__}", exc_info=e)

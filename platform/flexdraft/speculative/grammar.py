@@ -66,6 +66,17 @@ class Grammar:
 JSON_OBJECT = Grammar.json_schema({"type": "object"})  # response_format json_object: any JSON object
 
 
+@dataclass(frozen=True, eq=False)
+class CompiledGrammar:
+    """A grammar compiled against one tokenizer (`Grammars.compile`): its matcher at the start of an answer, which
+    each request decoding under it copies (a copy costs microseconds; compiling a large schema, seconds). A server
+    compiles it while parsing the request and hands it to the engine as `SamplingParams.grammar`, so the engine
+    thread never compiles."""
+    grammar: Grammar
+    start: llguidance.LLMatcher
+    tokenizer: llguidance.LLTokenizer  # (the one it was compiled against)
+
+
 class Grammars:
     """Compiles grammars against one tokenizer (a fast `transformers` tokenizer; its llguidance form is built at
     the first grammar, ~0.4 s for SmolLM2's). vocab_size: the target's (its logits' V)."""
@@ -74,13 +85,23 @@ class Grammars:
         self.tokenizer, self.V = tokenizer, vocab_size
         self._ll: llguidance.LLTokenizer | None = None
 
-    def matcher(self, grammar: Grammar) -> Matcher:
+    def compile(self, grammar: Grammar) -> CompiledGrammar:
+        """The grammar against this tokenizer, its first position's mask computed: FlexDraftError naming what is
+        wrong with it, where llguidance can tell before any token (a `$ref` cycle, an unknown keyword)."""
         if self._ll is None:
             self._ll = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.V)
         m = llguidance.LLMatcher(self._ll, grammar.compiled(), log_level=0)
+        if not m.is_error():
+            m.compute_bitmask()
         if m.is_error():
-            raise FlexDraftError(f"the {grammar.kind} grammar is not valid: {m.get_error()}")
-        return Matcher(m, self.V, self.tokenizer.eos_token_id)
+            raise FlexDraftError(f"the {grammar.kind} grammar is not valid: {_first_line(m.get_error())}")
+        return CompiledGrammar(grammar, m, self._ll)
+
+    def matcher(self, grammar: Grammar | CompiledGrammar) -> Matcher:
+        """A request's matcher: a copy of the compiled grammar's start (a `Grammar` is compiled first)."""
+        if isinstance(grammar, Grammar) or grammar.tokenizer is not self._ll:
+            grammar = self.compile(grammar if isinstance(grammar, Grammar) else grammar.grammar)
+        return Matcher(grammar.start.deep_copy(), self.V, self.tokenizer.eos_token_id)
 
 
 class Matcher:
@@ -88,6 +109,14 @@ class Matcher:
 
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, eos: int | None):
         self.m, self.V, self.eos = matcher, vocab_size, eos
+
+    @property
+    def error(self) -> str | None:
+        """Why the grammar cannot go on (llguidance's words: a limit of its parser reached mid-answer, a token it
+        forbids), None while it can. A matcher in error stays in error."""
+        if not self.m.is_error():
+            return None
+        return _first_line(self.m.get_error()) or "the grammar failed"
 
     def words(self, paths: list[list[int]]) -> torch.Tensor:
         """[T, W] int32: the bitmask (bit j of word w: token 32 w + j) of the tokens allowed at each verify position,
@@ -108,9 +137,14 @@ class Matcher:
         return out
 
     def consume(self, tokens: list[int]) -> None:
-        """The request emitted these tokens (a token the grammar forbids puts it in an error state: EOS next)."""
-        if tokens:
-            self.m.consume_tokens(tokens)
+        """The request emitted these tokens (a token the grammar forbids puts it in an error state: `error`)."""
+        for token in tokens:  # (one at a time: consume_tokens refuses the EOS that ends a complete value)
+            self.m.consume_token(token)
+
+
+def _first_line(error: str) -> str:
+    """llguidance's error without the parser state it dumps after it."""
+    return error.strip().split("\n", 1)[0][:500]
 
 
 def draft_paths(drafts: Drafts | None, row: int) -> list[list[int]]:
@@ -126,7 +160,7 @@ def draft_paths(drafts: Drafts | None, row: int) -> list[list[int]]:
 
 def constrained(logits: torch.Tensor, rows: list[int], matchers: list[Matcher], drafts: Drafts | None) -> torch.Tensor:
     """logits [n, T, V] -> a copy with the tokens each of `rows`' grammar forbids at each position at -inf (a
-    position where it allows nothing, an error state, allows only EOS: the request ends)."""
+    position where it allows nothing, an error state, allows only EOS: the request ends, with `Matcher.error`)."""
     n, T, V = logits.shape
     words = torch.stack([m.words(draft_paths(drafts, r)) for r, m in zip(rows, matchers)])  # [s, T, W]
     octets = words.numpy().astype("<i4", copy=False).view(np.uint8)  # (token 32 w + j: bit j of word w)

@@ -1,6 +1,7 @@
 """What a request's logit processing does to the target's logits: OpenAI's `logit_bias`, presence and frequency
 penalties, and vLLM's `min_tokens` and repetition penalty, applied in vLLM's order (bias and min_tokens, then
-repetition, frequency, presence) to the raw logits, before temperature and top-k / top-p.
+repetition, frequency, presence) to the raw logits (a grammar's mask already on them), before temperature and
+top-k / top-p. min_tokens holds stop tokens back only at positions where some other token may come.
 
 At a verify position the counts are over every token before it: the request's output so far (the prompt too,
 for the repetition penalty) and the drafts on the position's own path in this step. So each position's
@@ -81,8 +82,11 @@ def penalised(logits: torch.Tensor, rows: list[int], params: list[SamplingParams
             out[r, :, token] += bias
         if p.min_tokens and h.stop:
             early = (len(h.output) + depth[i] < p.min_tokens).nonzero().squeeze(-1)  # positions before min_tokens
-            if early.numel():
-                out[r, early[:, None], torch.tensor(sorted(h.stop), device=dev)[None]] = float("-inf")
+            stops = torch.tensor(sorted(h.stop), device=dev)
+            if early.numel():  # (held back only where another token may come: a grammar's mask may allow none)
+                others = out[r, early].index_fill(-1, stops, float("-inf"))  # [e, V]
+                early = early[others.isfinite().any(-1)]
+                out[r, early[:, None], stops[None]] = float("-inf")
     drafted = drafts.tokens[at].tolist() if drafts is not None and drafts.nodes else [[] for _ in rows]
     tokens, output, in_prompt = _touched(history, drafted, dev)  # [s, K]
     counts = output[:, None] + path_counts(drafts, at, tokens)  # [s, T, K]: output tokens before each position

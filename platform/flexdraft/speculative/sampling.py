@@ -8,11 +8,14 @@ from dataclasses import dataclass, field
 import torch
 
 from flexdraft.core.errors import FlexDraftError
-from flexdraft.speculative.grammar import Grammar
+from flexdraft.speculative.grammar import CompiledGrammar, Grammar
 
 SAMPLING_EPS = 1e-5  # a temperature below this decodes greedily (as vLLM): logits / 1e-300 would be inf
 SEED_RANGE = (-(2 ** 63), 2 ** 64 - 1)  # what torch.Generator.manual_seed takes
 MAX_LOGPROBS = 20  # the most alternatives a request may ask per token (OpenAI's top_logprobs bound, vLLM's default)
+# vLLM takes any repetition penalty > 0; a seen token's logit is divided by it, so below ~1e-38 / |logit| it is inf
+# and the distribution NaN (1e-45 sampled token V-1 forever). 0.01 already multiplies a seen logit by 100.
+REPETITION_PENALTY_RANGE = (0.01, 10.0)
 
 
 @dataclass
@@ -33,7 +36,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # times the token's count in the output, subtracted
     repetition_penalty: float = 1.0  # a token of the prompt or output: its logit divided by this if > 0, else times
     logprobs: int | None = None  # report each token's log-probability and this many alternatives (None: none)
-    grammar: Grammar | None = None  # what the output must match (the engine masks the target's logits by it)
+    # what the output must match (the engine masks the target's logits by it); a server passes it compiled
+    grammar: Grammar | CompiledGrammar | None = None
 
     def __post_init__(self):
         def number(name, value, integer=False):
@@ -65,8 +69,10 @@ class SamplingParams:
                                  f"got {self.min_tokens}")
         for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
             number(name, getattr(self, name))
-        if self.repetition_penalty <= 0:
-            raise FlexDraftError(f"repetition_penalty must be > 0 (1: off), got {self.repetition_penalty}")
+        low, high = REPETITION_PENALTY_RANGE
+        if not low <= self.repetition_penalty <= high:
+            raise FlexDraftError(f"repetition_penalty must be between {low} and {high} (1: off), "
+                                 f"got {self.repetition_penalty}")
         for pair in self.logit_bias:
             ok = isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], int) and pair[0] >= 0
             if not ok or isinstance(pair[0], bool):
@@ -76,7 +82,7 @@ class SamplingParams:
             number("logprobs", self.logprobs, integer=True)
             if not 0 <= self.logprobs <= MAX_LOGPROBS:
                 raise FlexDraftError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
-        if self.grammar is not None and not isinstance(self.grammar, Grammar):
+        if self.grammar is not None and not isinstance(self.grammar, (Grammar, CompiledGrammar)):
             raise FlexDraftError(f"grammar must be a Grammar, got {type(self.grammar).__name__}")
         if self.seed is not None:
             number("seed", self.seed, integer=True)
@@ -100,8 +106,10 @@ class SamplingParams:
         return not (self.processes or self.grammar is not None or self.logprobs is not None)
 
     def stop_ids(self, eos) -> set[int]:
-        """The tokens that end this request, given the model's end-of-sequence ids."""
-        return (set() if self.ignore_eos else set(eos)) | set(self.stop_token_ids)
+        """The tokens that end this request, given the model's end-of-sequence ids. Under a grammar EOS always ends
+        it, ignore_eos or not: the grammar allows EOS only where its value is complete, and nothing after it."""
+        keep_eos = self.grammar is not None or not self.ignore_eos
+        return (set(eos) if keep_eos else set()) | set(self.stop_token_ids)
 
 
 def _vocab_chunks(x: torch.Tensor) -> torch.Tensor | None:
@@ -295,11 +303,12 @@ class GenerationStats:
 @dataclass
 class Generation:
     token_ids: list[int]  # generated ids only; ends with the EOS token if one was produced
-    finish_reason: str  # "eos" | "length" | "time" (stopped by a deadline) | "abort"
+    finish_reason: str  # "eos" | "length" | "time" (stopped by a deadline) | "abort" | "error" (see `error`)
     seconds: float  # this row's share of the batch's wall time
     prompt_len: int
     stats: GenerationStats = field(default_factory=GenerationStats)
     logprobs: list[TokenLogprob] | None = None  # per token (params.logprobs set)
+    error: str | None = None  # why it ended with "error": its grammar could not go on (`grammar.Matcher.error`)
 
 
 @dataclass(frozen=True)
