@@ -103,10 +103,10 @@ def test_a_refused_request_fails_alone_before_any_token(parts, monkeypatch):
     good = ragged_prompts(1, seed=2)[0]
     real_add = e.add_request
 
-    def add(prompt, p=None):
+    def add(prompt, p=None, group=None):
         if prompt == [7, 7, 7]:
             raise ValueError("a value the engine cannot take")
-        return real_add(prompt, p)
+        return real_add(prompt, p, group)
 
     monkeypatch.setattr(e, "add_request", add)
 

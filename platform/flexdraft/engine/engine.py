@@ -36,6 +36,7 @@ from flexdraft.engine.ar import prefill
 from flexdraft.engine.config import EngineConfig, resolve
 from flexdraft.engine.options import committed_logprobs, emitted_logprobs, processed, shared_prefills
 from flexdraft.engine.proposers import DrafterProposer, LookupProposer, ModelFreeProposer, critical_rows
+from flexdraft.engine.scheduler import schedule
 from flexdraft.engine.state import Request, RowState, count_acceptance, draft_caps, speculating_share
 from flexdraft.engine.stats import IDLE, PREFILL, Recovery, SpecDecodingStats, StepOutput, StepStats
 from flexdraft.engine.verification import Verifier
@@ -57,7 +58,8 @@ class Engine:
     """Continuous-batching speculative decoder over preallocated buffers.
 
     `add_request(prompt_ids, params) -> id`, `step() -> StepOutput`, `abort(id)`, `result(id)`; `generate` is a
-    thin loop over them. Requests beyond `max_batch` wait and are admitted as rows finish."""
+    thin loop over them. Requests beyond `max_batch` wait and are admitted as rows finish, fairly between the
+    groups (clients) that sent them (`scheduler.schedule`)."""
 
     def __init__(self, target: Transformer, drafter: Drafter | None, config: EngineConfig, eos_token_ids=(),
                  acceptance_prior: dict | None = None, store: NgramStore | None = None, policy: Policy | None = None,
@@ -146,12 +148,16 @@ class Engine:
                                  f"{need - len(prompt) - params.max_new_tokens} verify and branch slots = {need} "
                                  f"exceeds the cache of {self.config.max_len} slots per row (engine max_len)")
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None) -> int:
+    def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None, group=None) -> int:
+        """Queue a request -> its id. group: who sent it (hashable; None: a group of its own), e.g. a server's
+        client, whose requests (or the n choices of one) share the batch fairly with other groups' (`scheduler`)."""
         params = params or SamplingParams()
         prompt = [int(t) for t in prompt_ids]
         self.check_request(prompt, params)
         V = self.target.args.vocab_size
-        req = Request(next(self._ids), prompt, params, make_generator(params, self.target.device),
+        rid = next(self._ids)
+        req = Request(rid, prompt, params, make_generator(params, self.target.device), group=(
+                          ("request", rid) if group is None else group),
                       index=NgramIndex(prompt, self.lookup) if self.lookup else None, stop=params.stop_ids(self.eos),
                       logprobs=[] if params.logprobs is not None else None,
                       matcher=self.grammars.matcher(params.grammar) if params.grammar is not None else None)
@@ -325,15 +331,26 @@ class Engine:
         """Seed the cost model with the measured forwards the planner prices (`profiling.profile`)."""
         return profiling.profile(self, context, rounds, timer)
 
+    def _preempt(self, req: Request) -> None:
+        """Give up a running request's row: it goes to the front of the queue with the tokens it has made, and its
+        next admission prefills prompt + tokens (as after `recover`; a sampled one keeps its generator)."""
+        self._release(self.slots.index(req))
+        self.waiting.appendleft(req)
+        self.stats.preempted += 1
+
     def _admit(self) -> list[tuple[Request, list[int]]]:
-        """Prefill waiting requests into free rows (longest first) -> (request, [its next token]) each. A request that
-        comes back from `recover` prefills its prompt and the tokens it had made, and goes on from there."""
-        free = self.config.max_batch - len(self.slots)
-        if self.admit_limit is not None:
-            free = min(free, self.admit_limit)
-        if free <= 0 or not self.waiting:
+        """Prefill the requests the scheduler takes (`scheduler.schedule`: fair between groups, preempting rows for
+        a group that holds none) into free rows (longest first) -> (request, [its next token]) each. A request that
+        comes back from `recover` or a preemption prefills its prompt and the tokens it had made, and goes on from
+        there."""
+        admission = schedule(self.waiting, self.slots, self.config.max_batch, self.admit_limit)
+        for req in admission.preempt:
+            self._preempt(req)
+        for req in admission.admit:
+            self.waiting.remove(req)
+        new = admission.admit
+        if not new:
             return []
-        new = [self.waiting.popleft() for _ in range(min(free, len(self.waiting)))]
         new.sort(key=lambda r: -(len(r.prompt) + len(r.tokens)))
         # requests with the same tokens (the n choices of one prompt) share a prefill: the first of them is
         # prefilled, the others' rows (after the prefilled ones) copy its cache row
@@ -441,12 +458,16 @@ class Engine:
             self.finished[req.id] = req
             if req.finish_reason != "abort":
                 self._done.append(req.id)
-            last = len(self.slots) - 1
-            if r != last:
-                self.cache.copy_row(last, r)
-                self.state.move(last, r)
-                self.slots[r] = self.slots[last]
-            self.slots.pop()
+            self._release(r)
+
+    def _release(self, r: int) -> None:
+        """Free row r: the last row moves into it (a copy of its cached prefix)."""
+        last = len(self.slots) - 1
+        if r != last:
+            self.cache.copy_row(last, r)
+            self.state.move(last, r)
+            self.slots[r] = self.slots[last]
+        self.slots.pop()
 
     # ---------------------------------------------------------------- convenience
 

@@ -58,6 +58,7 @@ class Request:
     logprobs: list[TokenLogprob] | None = None  # one per token (params.logprobs set)
     matcher: Matcher | None = None  # its grammar's state after its tokens (params.grammar set)
     error: str | None = None  # why it ended with finish_reason "error" (its grammar could not go on)
+    group: object = None  # who sent it (a client): rows are shared fairly between groups (`Engine._schedule`)
 
     def emit(self, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> list[int]:
         """Append tokens (and their logprobs, when the request asks), cut at a stop token or max_new_tokens -> the

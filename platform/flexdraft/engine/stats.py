@@ -21,6 +21,7 @@ class StepStats:
     rows: int  # rows decoded this step (after admission)
     admitted: int = 0
     admitted_ids: list[int] = field(default_factory=list)  # the requests prefilled this step
+    preempted: int = 0  # rows given up this step to a waiting client that held none (`Engine._schedule`)
     block: int = 0  # drafts verified per row
     drafted_rows: int = 0  # rows that needed a sequential drafter pass
     branches: float = 0.0  # parallel: branches kept per row (mean)

@@ -117,16 +117,17 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self._thread.is_alive() and self.death is None
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[Chunk]:
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, group=None) -> AsyncIterator[Chunk]:
         """Raises FlexDraftError (before any token) for a request the engine refuses, EngineFailed if the engine
-        fails while decoding it, EngineUnavailable if it takes no requests."""
+        fails while decoding it, EngineUnavailable if it takes no requests. group: its client (`Engine.add_request`:
+        clients share the batch's rows fairly)."""
         if self._draining or self._stopped or not self.alive:
             raise EngineUnavailable(self._unavailable())
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         ticket: concurrent.futures.Future = concurrent.futures.Future()
         done = False
         try:
-            self._send(("add", list(prompt_ids), params, stream, ticket))
+            self._send(("add", list(prompt_ids), params, group, stream, ticket))
             await asyncio.wrap_future(ticket)
             while True:
                 item = await stream.queue.get()
@@ -359,11 +360,11 @@ class AsyncEngine:
     def _command(self, command: tuple) -> None:
         kind = command[0]
         if kind == "add":
-            _, prompt, params, stream, ticket = command
+            _, prompt, params, group, stream, ticket = command
             if not ticket.set_running_or_notify_cancel():
                 return  # the caller left before admission: nothing to add
             try:
-                request_id = self.engine.add_request(prompt, params)
+                request_id = self.engine.add_request(prompt, params, group)
             except FlexDraftError as e:
                 ticket.set_exception(e)
                 return

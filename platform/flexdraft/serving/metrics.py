@@ -23,6 +23,7 @@ class Metrics:
         self.batch = m.Gauge("flexdraft_batch_size", "Rows decoded in the latest step")
         self.running = m.Gauge("flexdraft_num_requests_running", "Requests decoding")
         self.waiting = m.Gauge("flexdraft_num_requests_waiting", "Requests waiting for a row")
+        self.preemptions = m.Counter("flexdraft_num_preemptions", "Rows given up to a client that held none")
         self.streams = m.Gauge("flexdraft_num_streams", "Callers waiting for tokens (0 when idle: none leaked)")
         self.source = None  # the AsyncEngine whose streams are counted
         self.generated = m.Counter("flexdraft_generation_tokens", "Tokens generated")
@@ -39,6 +40,8 @@ class Metrics:
         self.batch.set(stats.rows)
         self.running.set(engine.active)
         self.waiting.set(len(engine.waiting))
+        if stats.preempted:
+            self.preemptions.inc(stats.preempted)
         if self.source is not None:
             self.streams.set(self.source.load()["streams"])
         counts = SpecDecodingStats.of_step(stats)

@@ -56,6 +56,7 @@ class Request:
     id: str = ""
     created: int = 0
     max_tokens_given: bool = True  # False: the server's default, shortened to the room the cache leaves
+    client: str = ""  # whose it is: its `user`, else the request itself (the engine shares rows fairly by it)
 
 
 def validation_error(errors: list[dict]) -> APIError:
@@ -129,10 +130,11 @@ def parse_request(body, chat: bool, served_model: str, tokenizer, max_tokens_lim
     except FlexDraftError as e:  # (the schema's bounds are the engine's: this is a second line of defence)
         raise APIError(400, str(e)) from None
     stop = [model.stop] if isinstance(model.stop, str) else list(model.stop or [])
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     return Request(chat, name, prompt_ids, params, model.stream,
                    bool(model.stream_options and model.stream_options.include_usage), stop, model.return_token_ids,
-                   model.n, best_of, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time()),
-                   given is not None)
+                   model.n, best_of, rid, int(time.time()), given is not None,
+                   f"user:{model.user}" if model.user else rid)
 
 
 def choice_params(req: Request) -> list[SamplingParams]:
@@ -393,7 +395,12 @@ def chunk(req: Request, text: str | None, token_ids: list[int] | None = None, fi
 
 def fit_to_engine(req: Request, engine) -> None:
     """Check the request against the engine's cache (`Engine.check_request`): a prompt that leaves no room is a
-    400 on `prompt`, too many new tokens one on `max_tokens`; a default max_tokens shrinks to the room left."""
+    400 on `prompt`, too many new tokens one on `max_tokens`, more choices than the batch has rows one on `n` or
+    `best_of`; a default max_tokens shrinks to the room left."""
+    if req.best_of > engine.config.max_batch:
+        key = "n" if req.best_of == req.n else "best_of"
+        raise APIError(400, f"'{key}' asks for {req.best_of} choices; this server decodes at most "
+                            f"{engine.config.max_batch} rows at once (engine max_batch)", key)
     need = engine.slots_needed(len(req.prompt_ids), 1)
     if need > engine.config.max_len:
         raise APIError(400, f"the prompt of {len(req.prompt_ids)} tokens leaves no room in the cache of "

@@ -301,7 +301,7 @@ class FlexDraftServer:
         except EngineUnavailable as e:
             return _error(_engine_error(e, cfg))
         # each choice is a request of its own in the engine's batch (they share the prompt's prefill)
-        readers = [Reader(engine.generate(req.prompt_ids, params), TextStream(self.lm.tokenizer, req.stop))
+        readers = [Reader(engine.generate(req.prompt_ids, params, req.client), TextStream(self.lm.tokenizer, req.stop))
                    for params in choice_params(req)]
         if req.stream:
             return StreamingResponse(self._events(req, readers, t0, cfg.request_timeout_s),
