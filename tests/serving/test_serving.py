@@ -636,26 +636,75 @@ def test_a_local_serve_run_starts_its_replica_at_normal_cpu_priority(monkeypatch
     caller chose a niceness."""
     import os
 
+    from flexdraft.cli import serve
     from flexdraft.cli.main import main
-
-    class Exec(BaseException):
-        pass
 
     seen = {}
 
-    def execv(path, argv):
-        seen.update(argv=argv, niceness=os.environ.get("RAY_worker_niceness"))
-        raise Exec
+    def supervise(argv, app, grace_s):
+        seen.update(argv=argv, niceness=os.environ.get("RAY_worker_niceness"), app=app, grace=grace_s)
 
     monkeypatch.setenv("FLEXDRAFT_HOME", str(tmp_path))
     if given is None:
         monkeypatch.delenv("RAY_worker_niceness", raising=False)
     else:
         monkeypatch.setenv("RAY_worker_niceness", given)
-    monkeypatch.setattr(os, "execv", execv)
-    with pytest.raises(Exec):
-        main(["serve"])
+    monkeypatch.setattr(serve, "supervise", supervise)
+    assert main(["serve"]) == 0
     assert seen["argv"][1] == "run" and seen["niceness"] == expected
+    assert (seen["app"], seen["grace"]) == ("flexdraft", 30.0)  # (the packaged config's graceful_shutdown_timeout_s)
+
+
+# stands in for `serve run` where the signals are what is tested: SIGINT ends it after `finish` seconds, as `serve
+# run`'s KeyboardInterrupt handler does once Serve has shut down; it says when it is up
+FAKE_SERVE_RUN = """
+import signal, sys, time
+finish = float(sys.argv[1])
+def stop(*_):
+    time.sleep(finish)
+    print("child: shut down", flush=True)
+    sys.exit(0)
+signal.signal(signal.SIGINT, stop if finish >= 0 else signal.SIG_IGN)
+print("child: up", flush=True)
+while True:
+    time.sleep(0.1)
+"""
+
+
+@pytest.mark.parametrize("signum", ["SIGTERM", "SIGINT"])
+def test_a_stop_signal_drains_the_app_then_stops_serve_run_and_exits_0_with_one_line(tmp_path, monkeypatch, capfd,
+                                                                                     signum):
+    """`flexdraft serve` supervises `serve run`: SIGTERM (docker stop, Kubernetes, systemd) or Ctrl-C deletes the app
+    first (`drain`: its replicas finish their in-flight requests), then sends `serve run` SIGINT and returns once it
+    has ended (exit 0 from main), saying so in one line; a child that will not stop is killed past the grace period.
+    (`flexdraft serve` exec'd `serve run`, whose Ray driver handler exited 15 on SIGTERM, streams cut.)"""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from flexdraft.cli import serve
+
+    script = tmp_path / "serve_run.py"
+    script.write_text(FAKE_SERVE_RUN)
+    order = []
+    monkeypatch.setattr(serve, "drain", lambda app: order.append(("drain", app)) or True)
+    monkeypatch.setattr(serve, "RAY_STOP_S", 3.0)
+    me = os.getpid()
+    sender = subprocess.Popen([sys.executable, "-c", f"import os, signal, time; time.sleep(2); "
+                               f"os.kill({me}, signal.{signum})"])
+    serve.supervise([sys.executable, str(script), "0.5"], "flexdraft", 1.0)
+    sender.wait()
+    out = capfd.readouterr()
+    assert order == [("drain", "flexdraft")] and "child: shut down" in out.out
+    lines = [line for line in out.err.splitlines() if line.startswith("[serve] stopped")]
+    assert len(lines) == 1 and f"stopped on {signum}" in lines[0] and "in-flight requests finished" in lines[0]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # (its handlers are gone with it)
+    sender = subprocess.Popen([sys.executable, "-c", f"import os, signal, time; time.sleep(2); "
+                               f"os.kill({me}, signal.SIGTERM)"])
+    with pytest.raises(FlexDraftError, match="did not stop within 4 s of SIGTERM: killed"):
+        serve.supervise([sys.executable, str(script), "-1"], "flexdraft", 1.0)
+    sender.wait()
 
 def test_an_engine_built_apart_leaves_no_thread_behind_and_hands_over_its_thread_count():
     """`built_apart` runs the build on a thread that has ended when it returns (its OpenMP pool gone with it, so the

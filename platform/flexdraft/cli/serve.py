@@ -55,13 +55,78 @@ def cmd_serve(args) -> None:
             raise FlexDraftError(f"serve deploy {path} failed (its output is above)")
         return
     print(f"[serve] OpenAI-compatible API at http://{http['host']}:{http['port']}/v1 once the replica is up "
-          f"(config {path}); Ctrl-C stops it", file=sys.stderr, flush=True)
+          f"(config {path}); Ctrl-C or SIGTERM stops it", file=sys.stderr, flush=True)
     # where `serve run` starts Ray here, its replica runs at normal CPU priority: Ray starts workers at nice 15, so any
     # other busy process on the machine (a co-located server, a load generator) took the replica's cores first
     # (beside vLLM's server on 2 cores: 0.86x its tok/s at concurrency 16 at nice 15, 1.46x at 0). A Ray already
     # running keeps its own setting; RAY_worker_niceness set by the caller wins.
     os.environ.setdefault("RAY_worker_niceness", "0")
-    os.execv(serve_bin, [serve_bin, "run", str(path)])
+    grace = float(app["deployments"][0].get("graceful_shutdown_timeout_s", SERVE_GRACE_S))
+    supervise([serve_bin, "run", str(path)], app["name"], grace)
+
+
+SERVE_GRACE_S = 20.0  # Serve's default graceful_shutdown_timeout_s: what a replica gives its in-flight requests
+RAY_STOP_S = 30.0  # what `serve run` takes to stop Serve and the Ray it started
+
+
+def supervise(argv: list[str], app: str, grace_s: float) -> None:
+    """Run `serve run` (argv) as a child in a session of its own until it ends, or until this process gets SIGTERM
+    (docker stop, Kubernetes, systemd) or SIGINT (Ctrl-C). Then the app is deleted (`drain`): Serve stops routing
+    to it and each replica finishes its in-flight requests for up to grace_s (graceful_shutdown_timeout_s), while
+    the proxy keeps their streams open; then `serve run` gets SIGINT and stops Serve and Ray. Past grace_s +
+    RAY_STOP_S the child's session is killed (FlexDraftError). Says in one line how it stopped. (`os.execv` of
+    `serve run` left SIGTERM to Ray's driver handler: exit 15 at once, in-flight streams cut.)"""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    got: list[int] = []
+    handlers = {s: signal.signal(s, lambda signum, frame: got.append(signum)) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        child = subprocess.Popen(argv, start_new_session=True)  # (Ctrl-C at the terminal reaches only this process)
+        while child.poll() is None and not got:
+            time.sleep(0.2)
+        if not got:
+            if child.returncode:
+                raise FlexDraftError(f"serve run exited with {child.returncode} (its output is above)")
+            return
+        name, t0 = signal.Signals(got[0]).name, time.monotonic()
+        print(f"[serve] {name}: draining (in-flight requests get up to {grace_s:g} s)", file=sys.stderr, flush=True)
+        drained = drain(app)
+        for s in handlers:  # (Ray's driver put its own handler in)
+            signal.signal(s, lambda signum, frame: got.append(signum))
+        child.send_signal(signal.SIGINT)
+        try:
+            child.wait(grace_s + RAY_STOP_S - (time.monotonic() - t0))
+        except (subprocess.TimeoutExpired, ValueError):
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+            raise FlexDraftError(f"serve run did not stop within {grace_s + RAY_STOP_S:g} s of {name}: killed") \
+                from None
+        print(f"[serve] stopped on {name} in {time.monotonic() - t0:.1f} s: "
+              f"{'in-flight requests finished' if drained is True else 'the app could not be drained: ' + drained}",
+              file=sys.stderr, flush=True)
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+
+
+def drain(app: str) -> bool | str:
+    """Delete the Serve app on the Ray this machine runs -> True once its replicas have stopped (each after its
+    in-flight requests, for up to its graceful_shutdown_timeout_s), else why not."""
+    try:
+        import ray
+        from ray import serve
+
+        ray.init(address="auto", namespace="serve", logging_level="ERROR", log_to_driver=False)
+        try:
+            serve.delete(app)
+        finally:
+            ray.shutdown()
+        return True
+    except Exception as e:  # noqa: BLE001 - Ray already gone or never up: stopping `serve run` is all that is left
+        return f"{type(e).__name__}: {e}"
 
 
 def pin_drafter(user: dict) -> None:
