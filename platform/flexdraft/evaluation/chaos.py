@@ -1,10 +1,12 @@
 """`flexdraft loadtest --chaos`: hostile traffic against a FlexDraft endpoint on this machine, then a check that
-the replica took no harm. Requests of six classes, drawn from a seeded generator, at a few in flight:
+the replica took no harm. Requests of seven classes, drawn from a seeded generator, at a few in flight:
 valid (completions and chat, streamed or not), out_of_range (one field past what the engine takes), wrong_type,
 malformed (not JSON, truncated, invalid UTF-8, NaN literals, deep nesting, lone surrogates), oversized (past
-the body limit) and disconnect (a client that leaves before the answer or mid-stream). Before and after: a
-greedy probe (its token ids must not change) and /health (rows, waiting requests, streams back to zero, no
-engine death, the replica's RSS). Bounded in requests and time; loopback only."""
+the body limit), disconnect (a client that leaves before the answer or mid-stream) and options (request options
+combined as an attacker would, each judged: `chaos_options`). Then one client fills the batch with many-choice
+requests while another's greedy request must get its first token within a budget. Before and after: a greedy
+probe (its token ids must not change) and /health (rows, waiting requests, streams back to zero, no engine death,
+the replica's RSS). Bounded in requests and time; loopback only."""
 from __future__ import annotations
 
 import asyncio
@@ -17,9 +19,10 @@ from dataclasses import dataclass, field
 
 from flexdraft.core import logs
 from flexdraft.core.errors import FlexDraftError
+from flexdraft.evaluation.chaos_options import attack_body, judge
 from flexdraft.evaluation.loadtest import check_url
 
-CLASSES = ("valid", "out_of_range", "wrong_type", "malformed", "oversized", "disconnect")
+CLASSES = ("valid", "out_of_range", "wrong_type", "malformed", "oversized", "disconnect", "options")
 PROBE = {"prompt": "The three primary colors are", "max_tokens": 16, "temperature": 0, "return_token_ids": True}
 log = logs.get("loadtest")
 
@@ -48,6 +51,9 @@ class ChaosReport:
     probe_unchanged: bool = False
     seconds: float = 0.0
     rss_budget_mb: float = 256.0  # how far the replica's RSS may grow over the run
+    option_failures: list = field(default_factory=list)  # option attacks not answered as they must be, in words
+    neighbour_ttft_s: float | None = None  # another client's first token while one client fills the batch
+    ttft_budget_s: float = 10.0  # what it may take
 
     def as_dict(self) -> dict:
         b, a = self.before, self.after
@@ -58,6 +64,7 @@ class ChaosReport:
                 "failed_steps": a.get("failed_steps", 0) - b.get("failed_steps", 0),
                 "leaked": {k: a.get(k) for k in ("running", "waiting", "streams")},
                 "rss_mb_before": rss[0], "rss_mb_after": rss[1], "probe_unchanged": self.probe_unchanged,
+                "option_failures": self.option_failures, "neighbour_ttft_s": self.neighbour_ttft_s,
                 "seconds": round(self.seconds, 1)}
 
     def problems(self) -> list[str]:
@@ -82,7 +89,11 @@ class ChaosReport:
                   (any(d["leaked"].values()), f"left behind: {d['leaked']}"),
                   (None not in rss and rss[1] - rss[0] > self.rss_budget_mb,
                    f"RSS grew {rss[0]} -> {rss[1]} MB (budget {self.rss_budget_mb:g} MB)"),
-                  (not self.probe_unchanged, "the greedy probe decoded otherwise")]
+                  (not self.probe_unchanged, "the greedy probe decoded otherwise"),
+                  (self.option_failures, f"option attacks answered wrongly: {'; '.join(self.option_failures[:5])}"),
+                  (self.neighbour_ttft_s is None or self.neighbour_ttft_s > self.ttft_budget_s,
+                   f"another client's first token took {self.neighbour_ttft_s} s while one filled the batch "
+                   f"(budget {self.ttft_budget_s:g} s)")]
         return [why for failed, why in checks if failed]
 
     def ok(self) -> bool:
@@ -131,12 +142,15 @@ def hostile(kind: str, rng: random.Random, prompts: list[str], body_limit: int) 
     return route, json.dumps(body).encode(), leave
 
 
-async def _send(client, url: str, raw: bytes, headers: dict, leave: float | None, timeout: float):
-    """-> HTTP status, 0 for no answer within `timeout`, or "left" for a client that left on purpose."""
+async def _send(client, url: str, raw: bytes, headers: dict, leave: float | None, timeout: float,
+                body: list | None = None):
+    """-> HTTP status, 0 for no answer within `timeout`, or "left" for a client that left on purpose. body: gets the
+    answer's bytes appended."""
     async def go():
         async with client.stream("POST", url, content=raw, headers=headers) as r:
-            async for _ in r.aiter_raw():
-                pass
+            async for block in r.aiter_raw():
+                if body is not None:
+                    body.append(block)
             return r.status_code
 
     try:
@@ -161,13 +175,21 @@ async def _chaos(base: str, requests: int, concurrency: int, seed: int, headers:
     end = time.monotonic() + max_seconds
 
     async def one(client, kind: str, i: int):
-        route, raw, leave = hostile(kind, random.Random(seed * 100_003 + i), prompts, body_limit)
+        rng, attack, answer = random.Random(seed * 100_003 + i), None, []
+        if kind == "options":
+            (route, raw, attack), leave = attack_body(rng, rng.choice(prompts)), None
+        else:
+            route, raw, leave = hostile(kind, rng, prompts, body_limit)
         async with gate:
             if time.monotonic() > end:
                 return
             report.tried[kind] += 1
             status = await _send(client, base + route, raw, {**headers, "content-type": "application/json"},
-                                 leave, timeout)
+                                 leave, timeout, answer)
+        if attack is not None and isinstance(status, int) and status:
+            wrong = judge(attack, status, b"".join(answer))
+            if wrong is not None:
+                report.option_failures.append(f"{attack.name}: {wrong}")
         by_class = report.statuses.setdefault(kind, {})
         by_class[str(status)] = by_class.get(str(status), 0) + 1
         if status == 0:
@@ -177,6 +199,43 @@ async def _chaos(base: str, requests: int, concurrency: int, seed: int, headers:
 
     async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=concurrency + 2)) as client:
         await asyncio.gather(*(one(client, kind, i) for i, kind in enumerate(plan)))
+
+
+async def _neighbour(base: str, headers: dict, prompt: str, timeout: float) -> float | None:
+    """One client fills the batch: four 16-choice requests and a 16-choice stream with 20 top logprobs, long answers,
+    all streamed. Once requests wait for rows, another client's greedy request: seconds to its first token (None: no
+    answer within `timeout`). The first client then leaves (its rows are freed)."""
+    import httpx
+
+    hog = {"prompt": prompt, "n": 16, "max_tokens": 512, "temperature": 1.0, "ignore_eos": True, "stream": True,
+           "user": "hog"}
+    chat = {k: v for k, v in hog.items() if k != "prompt"} | {
+        "messages": [{"role": "user", "content": prompt}], "logprobs": True, "top_logprobs": 20}
+    mine = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "stream": True, "user": "neighbour"}
+
+    async def stream(client, route: str, body: dict, first: list | None = None):
+        async with client.stream("POST", base + route, json=body, headers=headers) as r:
+            async for line in r.aiter_lines():
+                if first is not None and line.startswith("data: {") and not first:
+                    first.append(time.monotonic())
+
+    async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=16)) as client:
+        hogs = [asyncio.create_task(stream(client, "/v1/completions", hog)) for _ in range(4)]
+        hogs.append(asyncio.create_task(stream(client, "/v1/chat/completions", chat)))
+        try:
+            end = time.monotonic() + timeout
+            while time.monotonic() < end and not (await client.get(base + "/health", headers=headers)).json().get(
+                    "waiting"):
+                await asyncio.sleep(0.2)
+            first: list = []
+            t0 = time.monotonic()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stream(client, "/v1/completions", mine, first), timeout)
+            return round(first[0] - t0, 3) if first else None
+        finally:
+            for task in hogs:
+                task.cancel()
+            await asyncio.gather(*hogs, return_exceptions=True)
 
 
 def probe(base: str, headers: dict, timeout: float = 120) -> list[int]:
@@ -218,8 +277,9 @@ def run_chaos(url: str, requests: int = 200, concurrency: int = 8, seed: int = 0
     t0 = time.monotonic()
     before_ids = probe(base, headers)
     report.before = settle(base, headers)
-    asyncio.run(_chaos(base, requests, concurrency, seed, headers, timeout, max_seconds, body_limit,
-                       prompts_of(dataset)[:64], report))
+    prompts = prompts_of(dataset)[:64]
+    asyncio.run(_chaos(base, requests, concurrency, seed, headers, timeout, max_seconds, body_limit, prompts, report))
+    report.neighbour_ttft_s = asyncio.run(_neighbour(base, headers, prompts[0], timeout))
     report.probe_unchanged = probe(base, headers) == before_ids
     report.after = settle(base, headers)
     report.seconds = time.monotonic() - t0
@@ -235,7 +295,9 @@ def summary(report: ChaosReport) -> str:
                          f"{', '.join(f'{s}: {n}' for s, n in sorted(report.statuses.get(kind, {}).items()))} |")
     lines.append(f"server errors (5xx except 503) {d['server_errors']}, hung {d['hung']}, engine deaths "
                  f"{d['engine_deaths']}, failed steps {d['failed_steps']}, leaked rows/waiting/streams "
-                 f"{d['leaked']['running']}/{d['leaked']['waiting']}/{d['leaked']['streams']}, RSS "
+                 f"{d['leaked']['running']}/{d['leaked']['waiting']}/{d['leaked']['streams']}, option attacks "
+                 f"answered wrongly {len(report.option_failures)}, another client's first token in "
+                 f"{report.neighbour_ttft_s} s while one filled the batch, RSS "
                  f"{d['rss_mb_before']} -> {d['rss_mb_after']} MB, greedy probe "
                  f"{'unchanged' if d['probe_unchanged'] else 'CHANGED'}, {d['seconds']} s: "
                  f"{'PASS' if report.ok() else 'FAIL: ' + '; '.join(report.problems())}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import ctypes
 import queue
 import threading
 import time
@@ -57,6 +58,16 @@ MAX_STRIKES = 3  # a request in this many failed steps without being singled out
 
 
 T = TypeVar("T")
+TRIM_EVERY_S = 10.0  # an idle engine hands the C heap's free pages back at most this often
+
+
+def trim_heap() -> None:
+    """Hand the C heap's free pages back to the OS (glibc's malloc_trim; elsewhere nothing): steps free many large
+    tensors of varied shapes, and glibc keeps what they held, so a replica's RSS kept growing after warm-up."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def built_apart(build: Callable[[], T]) -> T:
@@ -216,10 +227,14 @@ class AsyncEngine:
         # OpenMP's thread count is per OS thread: a new thread starts from OMP_NUM_THREADS (Ray sets it to the
         # actor's num_cpus), not from the torch.set_num_threads of the thread that loaded the model
         torch.set_num_threads(self._torch_threads)
+        trimmed, steps_then = time.monotonic(), 0
         try:
             while not self._stopped:
                 self._drain()
                 if not self.engine.has_work():
+                    if self._stats.num_steps > steps_then and time.monotonic() - trimmed > TRIM_EVERY_S:
+                        trim_heap()  # (idle: nobody waits for it)
+                        trimmed, steps_then = time.monotonic(), self._stats.num_steps
                     self._wake.wait(timeout=1.0)
                     self._wake.clear()
                     continue
