@@ -364,6 +364,46 @@ def test_a_grammar_that_fails_mid_answer_ends_it_with_an_error_not_eos(smol):
     assert out[1].finish_reason == "length" and out[1].error is None  # (its neighbour is untouched)
 
 
+def test_a_compiled_grammar_is_copied_per_choice_not_compiled_on_the_engine_thread(smol, monkeypatch):
+    """A request's grammar compiled once (`Grammars.compile`, as a server does off the engine thread) is only copied
+    when its 16 choices are added (compiling a large schema per choice on the engine thread stalled every stream
+    for seconds), and the choices decode exactly as under the plain grammar."""
+    import llguidance
+
+    from flexdraft.core.data import chat_ids
+    from flexdraft.speculative import grammar as grammar_module
+    from flexdraft.speculative.grammar import Grammar, Grammars
+
+    lm, _, drafter = smol
+    tok = lm.tokenizer
+    grammars = Grammars(tok, lm.model.args.vocab_size)
+    prompt = chat_ids(tok, [{"role": "user", "content": "Is it ok? Answer as JSON."}])
+    compiled = grammars.compile(Grammar.json_schema(SHORT))
+    built = []
+
+    real = llguidance.LLMatcher
+
+    class Counting:  # (llguidance's type cannot be subclassed: this counts its constructions)
+        def __new__(cls, *args, **kwargs):
+            built.append(1)
+            return real(*args, **kwargs)
+
+    monkeypatch.setattr(grammar_module.llguidance, "LLMatcher", Counting)
+    engine = Engine(lm.model, drafter, EngineConfig(mode="sequential", max_batch=16, max_len=256),
+                    eos_token_ids=[tok.eos_token_id], grammars=grammars)
+    params = [SamplingParams(max_new_tokens=16, temperature=1.0, seed=i, grammar=compiled) for i in range(16)]
+    ids = [engine.add_request(prompt, p) for p in params]
+    assert built == []
+    while engine.has_work():
+        engine.step()
+    out = [engine.result(i).token_ids for i in ids]
+    monkeypatch.undo()
+    plain = [dataclasses.replace(p, grammar=Grammar.json_schema(SHORT)) for p in params]
+    engine = Engine(lm.model, drafter, EngineConfig(mode="sequential", max_batch=16, max_len=256),
+                    eos_token_ids=[tok.eos_token_id], grammars=grammars)
+    assert [g.token_ids for g in run(engine, [prompt] * 16, plain)] == out
+
+
 def byte_level_tokenizer(vocab: list[str]):
     """A fast byte-level BPE tokenizer whose tokens are exactly `vocab` (no merges): what llguidance takes."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers

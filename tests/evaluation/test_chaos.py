@@ -85,20 +85,22 @@ def test_an_option_attack_passes_only_with_the_answer_it_must_get():
     ended with "stop" (one cut by max_tokens is not judged), streamed or not; an error event or a missing choice
     fails; so does a 200 where a 400 was due."""
     by = {a.name: a for a in ATTACKS}
+    answer = lambda attack, status, raw: judge(attack, attack.options, status, raw)  # noqa: E731
     chain, mins, streamed = by["ref chain 3000"], by["json_object + min_tokens"], \
         by["json_object + ignore_eos, n 2 sampled streamed"]
     error = lambda param: json.dumps({"error": {"message": "m", "param": param}}).encode()  # noqa: E731
-    assert judge(chain, 400, error("response_format")) is None
-    assert "naming 'prompt'" in judge(chain, 400, error("prompt"))
-    assert judge(chain, 200, b"{}") == "HTTP 200" and judge(chain, 500, b"") == "HTTP 500"
+    assert answer(chain, 400, error("response_format")) is None
+    assert "naming 'prompt'" in answer(chain, 400, error("prompt"))
+    assert answer(chain, 200, b"{}") == "HTTP 200" and answer(chain, 500, b"") == "HTTP 500"
     whole = lambda *cs: json.dumps({"choices": [{"index": i, "text": t, "finish_reason": f}  # noqa: E731
                                                 for i, (t, f) in enumerate(cs)]}).encode()
-    assert judge(mins, 200, whole(('{"a": 1}', "stop"))) is None
-    assert judge(mins, 200, whole(('{"a": 1', "length"))) is None
-    assert "does not parse" in judge(mins, 200, whole(('{}\n\n__ **###', "stop")))
-    assert "not an object" in judge(mins, 200, whole(("[1]", "stop")))
+    assert answer(mins, 200, whole(('{"a": 1}', "stop"))) is None
+    assert answer(mins, 200, whole(('{"a": 1', "length"))) is None
+    assert "does not parse" in answer(mins, 200, whole(('{}\n\n__ **###', "stop")))
+    assert "not an object" in answer(mins, 200, whole(("[1]", "stop")))
     chunk = lambda i, t, f=None: {"choices": [{"index": i, "text": t, "finish_reason": f}]}  # noqa: E731
-    assert judge(streamed, 200, _sse(chunk(0, "{"), chunk(1, "{}", "stop"), chunk(0, "}", "stop"))) is None
-    assert "does not parse" in judge(streamed, 200, _sse(chunk(0, "{}S"), chunk(0, "you", "stop"), chunk(1, "{}", "stop")))
-    assert judge(streamed, 200, _sse(chunk(0, "{}", "stop"))) == "1 choices"
-    assert "error event" in judge(streamed, 200, _sse(chunk(0, "{"), {"error": {"message": "grammar failed"}}))
+    assert answer(streamed, 200, _sse(chunk(0, "{"), chunk(1, "{}", "stop"), chunk(0, "}", "stop"))) is None
+    broken = _sse(chunk(0, "{}S"), chunk(0, "you", "stop"), chunk(1, "{}", "stop"))  # (text after the value)
+    assert "does not parse" in answer(streamed, 200, broken)
+    assert answer(streamed, 200, _sse(chunk(0, "{}", "stop"))) == "1 choices"
+    assert "error event" in answer(streamed, 200, _sse(chunk(0, "{"), {"error": {"message": "grammar failed"}}))

@@ -22,6 +22,7 @@ from conftest import ENV, METRICS_PORT, REPO, recorded_pipeline, start_mlflow_se
 from flexdraft.core.config import RuntimeConfig
 from flexdraft.core.data import chat_ids
 from flexdraft.engine.ar import generate
+from flexdraft.evaluation.chaos_options import ref_chain, schema
 from flexdraft.models.loading import load_model
 from flexdraft.speculative.sampling import SamplingParams
 
@@ -29,7 +30,7 @@ SERVE = str(Path(sys.executable).parent / "serve")
 URL = "http://127.0.0.1:8000"
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-BODY_LIMIT = 1 << 16  # the tiny app's max_body_bytes
+BODY_LIMIT = 1 << 18  # the tiny app's max_body_bytes (a 3,000-$ref schema fits)
 
 
 def application(name: str, route: str, home: Path, model: Path, tracking: str, **deployment) -> dict:
@@ -381,6 +382,9 @@ def test_sixteen_concurrent_requests_succeed_in_shared_batches(app):
     ({"prompt": "hi", "max_tokens": 0}, AUTH, 400, "max_tokens"),
     ({"prompt": "hi", "n": 17}, AUTH, 400, "n"),
     ({"prompt": "hi", "logit_bias": {"49152": 1}}, AUTH, 400, "logit_bias"),  # (past the vocabulary: the engine says)
+    ({"prompt": "hi", "stop_token_ids": [49152], "min_tokens": 4}, AUTH, 400, "stop_token_ids"),  # (failed 2 steps)
+    ({"prompt": "hi", "repetition_penalty": 1e-45}, AUTH, 400, "repetition_penalty"),  # (a NaN distribution)
+    ({"prompt": "hi", "response_format": schema(ref_chain(3000))}, AUTH, 400, "response_format"),  # (SIGSEGV)
     ({"prompt": "hi"}, {"Authorization": "Bearer wrong"}, 401, None),
     ({"prompt": "hi"}, {}, 401, None),
     (b"{not json", {}, 401, None),  # the key is checked before the body is read
@@ -388,7 +392,8 @@ def test_sixteen_concurrent_requests_succeed_in_shared_batches(app):
     ({"prompt": "hi", "seed": 2 ** 70}, AUTH, 400, "seed"),
     ({"prompt": "x" * BODY_LIMIT}, AUTH, 413, None),  # past the app's max_body_bytes
 ], ids=["malformed-json", "wrong-type", "unknown-model", "prompt-too-long", "too-many-tokens", "max-tokens-0",
-        "n-past-16", "logit-bias-past-vocabulary", "bad-key", "no-key", "no-key-malformed", "not-utf8",
+        "n-past-16", "logit-bias-past-vocabulary", "stop-id-past-vocabulary", "repetition-penalty-underflow",
+        "grammar-that-crashes-its-compiler", "bad-key", "no-key", "no-key-malformed", "not-utf8",
         "seed-overflow", "oversized"])
 def test_bad_requests_get_openai_errors_and_the_replica_keeps_serving(app, body, headers, status, param):
     content = body if isinstance(body, bytes) else json.dumps(body).encode()

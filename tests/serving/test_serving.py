@@ -505,15 +505,12 @@ def test_grammars_that_crash_or_stall_the_compiler_are_a_400_and_the_next_one_co
     """A `$ref` chain that overflows llguidance's stack (SIGSEGV: it killed the replica when compiled in it), a
     schema that compiles past the budget and a `$ref` cycle that matches nothing are each a 400 naming
     response_format; the compiler's child is replaced and the next grammar compiles into what the engine copies."""
+    from flexdraft.evaluation.chaos_options import CYCLE, ref_chain, wide
     from flexdraft.speculative.grammar import CompiledGrammar
 
-    chain = {"$defs": {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(3000)} | {"d3000": {"type": "integer"}},
-             "$ref": "#/$defs/d0"}
-    wide = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(5000)}}
-    cycle = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
     crashes, timeouts = compiler.crashes, compiler.timeouts
-    for schema, says in ((chain, r"crashed the grammar compiler \(signal 11\)"), (wide, "longer than 1 s to compile"),
-                         (cycle, "not valid")):
+    for schema, says in ((ref_chain(3000), r"crashed the grammar compiler \(signal 11\)"),
+                         (wide(5000), "longer than 1 s to compile"), (CYCLE, "not valid")):
         req = parse_request(_schema_request(schema), False, "smollm2", real_lm.tokenizer, 512, 16)
         with pytest.raises(APIError, match=says) as err:
             compile_grammar(req, compiler)

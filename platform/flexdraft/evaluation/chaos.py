@@ -166,7 +166,7 @@ async def _send(client, url: str, raw: bytes, headers: dict, leave: float | None
 
 
 async def _chaos(base: str, requests: int, concurrency: int, seed: int, headers: dict, timeout: float,
-                 max_seconds: float, body_limit: int, prompts: list[str], report: ChaosReport) -> None:
+                 max_seconds: float, body_limit: int, prompts: list[str], rows: int, report: ChaosReport) -> None:
     import httpx
 
     rng = random.Random(seed)
@@ -177,7 +177,8 @@ async def _chaos(base: str, requests: int, concurrency: int, seed: int, headers:
     async def one(client, kind: str, i: int):
         rng, attack, answer = random.Random(seed * 100_003 + i), None, []
         if kind == "options":
-            (route, raw, attack), leave = attack_body(rng, rng.choice(prompts)), None
+            route, body, attack = attack_body(rng, rng.choice(prompts), rows)
+            raw, leave = json.dumps(body).encode(), None
         else:
             route, raw, leave = hostile(kind, rng, prompts, body_limit)
         async with gate:
@@ -187,7 +188,7 @@ async def _chaos(base: str, requests: int, concurrency: int, seed: int, headers:
             status = await _send(client, base + route, raw, {**headers, "content-type": "application/json"},
                                  leave, timeout, answer)
         if attack is not None and isinstance(status, int) and status:
-            wrong = judge(attack, status, b"".join(answer))
+            wrong = judge(attack, body, status, b"".join(answer), too_big=len(raw) > body_limit)
             if wrong is not None:
                 report.option_failures.append(f"{attack.name}: {wrong}")
         by_class = report.statuses.setdefault(kind, {})
@@ -201,13 +202,13 @@ async def _chaos(base: str, requests: int, concurrency: int, seed: int, headers:
         await asyncio.gather(*(one(client, kind, i) for i, kind in enumerate(plan)))
 
 
-async def _neighbour(base: str, headers: dict, prompt: str, timeout: float) -> float | None:
-    """One client fills the batch: four 16-choice requests and a 16-choice stream with 20 top logprobs, long answers,
-    all streamed. Once requests wait for rows, another client's greedy request: seconds to its first token (None: no
-    answer within `timeout`). The first client then leaves (its rows are freed)."""
+async def _neighbour(base: str, headers: dict, prompt: str, rows: int, timeout: float) -> float | None:
+    """One client fills the batch of `rows` rows: four requests of a choice per row and a stream of as many choices
+    with 20 top logprobs, long answers. Once requests wait for rows, another client's greedy request: seconds to its
+    first token (None: no answer within `timeout`). The first client then leaves (its rows are freed)."""
     import httpx
 
-    hog = {"prompt": prompt, "n": 16, "max_tokens": 512, "temperature": 1.0, "ignore_eos": True, "stream": True,
+    hog = {"prompt": prompt, "n": rows, "max_tokens": 512, "temperature": 1.0, "ignore_eos": True, "stream": True,
            "user": "hog"}
     chat = {k: v for k, v in hog.items() if k != "prompt"} | {
         "messages": [{"role": "user", "content": prompt}], "logprobs": True, "top_logprobs": 20}
@@ -277,9 +278,10 @@ def run_chaos(url: str, requests: int = 200, concurrency: int = 8, seed: int = 0
     t0 = time.monotonic()
     before_ids = probe(base, headers)
     report.before = settle(base, headers)
-    prompts = prompts_of(dataset)[:64]
-    asyncio.run(_chaos(base, requests, concurrency, seed, headers, timeout, max_seconds, body_limit, prompts, report))
-    report.neighbour_ttft_s = asyncio.run(_neighbour(base, headers, prompts[0], timeout))
+    prompts, rows = prompts_of(dataset)[:64], report.before["max_batch"]
+    asyncio.run(_chaos(base, requests, concurrency, seed, headers, timeout, max_seconds, body_limit, prompts, rows,
+                       report))
+    report.neighbour_ttft_s = asyncio.run(_neighbour(base, headers, prompts[0], rows, timeout))
     report.probe_unchanged = probe(base, headers) == before_ids
     report.after = settle(base, headers)
     report.seconds = time.monotonic() - t0

@@ -38,6 +38,7 @@ class Attack:
     options: dict  # merged into a valid request
     refused: str | None  # the field a 400 must name; None: a 200 whose choices parse
     or_valid: bool = False  # a 400 naming `refused`, or a 200 whose choices parse (the model may finish first)
+    choices: int = 0  # n past the server's batch rows (1: one past them, 0: as `options` say)
 
 
 ATTACKS = [
@@ -49,7 +50,7 @@ ATTACKS = [
     Attack("logit_bias past the vocabulary", {"logit_bias": {"49152": 5}}, "logit_bias"),
     Attack("repetition_penalty 1e-45", {"repetition_penalty": 1e-45, "temperature": 1.0}, "repetition_penalty"),
     Attack("repetition_penalty 5e-324", {"repetition_penalty": 5e-324}, "repetition_penalty"),
-    Attack("17 choices", {"n": 17}, "n"),
+    Attack("more choices than rows", {}, "n", choices=1),
     Attack("json_object + min_tokens", {"response_format": JSON_OBJECT, "min_tokens": 60, "max_tokens": 64}, None),
     Attack("json_object + ignore_eos, n 2 sampled streamed",
            {"response_format": JSON_OBJECT, "ignore_eos": True, "n": 2, "temperature": 1.0, "stream": True,
@@ -57,23 +58,24 @@ ATTACKS = [
     Attack("schema + min_tokens + ignore_eos, n 4",
            {"response_format": schema(SMALL), "min_tokens": 30, "ignore_eos": True, "n": 4, "temperature": 0.8,
             "max_tokens": 48}, None),
-    Attack("16 choices, top logprobs 20, streamed",
-           {"n": 16, "logprobs": True, "top_logprobs": 20, "stream": True, "max_tokens": 24, "temperature": 1.0},
-           None),
+    Attack("a choice per row, top logprobs 20, streamed",
+           {"logprobs": True, "top_logprobs": 20, "stream": True, "max_tokens": 24, "temperature": 1.0}, None,
+           choices=-1),
 ]
 
 
-def attack_body(rng: random.Random, prompt: str) -> tuple[str, bytes, Attack]:
-    """-> (route, raw body, the attack) of one request of the class."""
+def attack_body(rng: random.Random, prompt: str, rows: int) -> tuple[str, dict, Attack]:
+    """-> (route, body, the attack) of one request of the class, against a server whose batch has `rows` rows."""
     attack = rng.choice(ATTACKS)
     options = dict(attack.options)
+    if attack.choices:
+        options["n"] = rows + 1 if attack.choices > 0 else rows
     chat = "top_logprobs" in options or rng.random() < 0.5
     body = {"max_tokens": 32, "temperature": 0, **options}
     if chat:
-        chat_body = {**body, "messages": [{"role": "user", "content": prompt}]}
-        return "/v1/chat/completions", json.dumps(chat_body).encode(), attack
+        return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": prompt}]}, attack
     body.pop("logprobs", None)
-    return "/v1/completions", json.dumps({**body, "prompt": prompt}).encode(), attack
+    return "/v1/completions", {**body, "prompt": prompt}, attack
 
 
 def choices(raw: bytes, stream: bool) -> dict[int, tuple[str, str | None]]:
@@ -95,11 +97,14 @@ def choices(raw: bytes, stream: bool) -> dict[int, tuple[str, str | None]]:
     return out
 
 
-def judge(attack: Attack, status: int, raw: bytes) -> str | None:
-    """What is wrong with the answer, None if it is the one the attack must get."""
+def judge(attack: Attack, body: dict, status: int, raw: bytes, too_big: bool = False) -> str | None:
+    """What is wrong with the answer to `body`, None if it is the one the attack must get (too_big: the body is past
+    the server's limit, so a 413)."""
     import jsonschema
 
-    stream = bool(attack.options.get("stream"))
+    if too_big:
+        return None if status == 413 else f"HTTP {status} to a body past the limit"
+    stream = bool(body.get("stream"))
     if status == 400 and attack.refused is not None:
         param = json.loads(raw)["error"].get("param")
         return None if param == attack.refused else f"400 naming {param!r}, not {attack.refused!r}"
@@ -109,9 +114,9 @@ def judge(attack: Attack, status: int, raw: bytes) -> str | None:
         got = choices(raw, stream)
     except ValueError as e:
         return f"an error event: {e}"
-    if len(got) != attack.options.get("n", 1):
+    if len(got) != body.get("n", 1):
         return f"{len(got)} choices"
-    form = attack.options.get("response_format")
+    form = body.get("response_format")
     for i, (text, finish) in got.items():
         if form is None or finish == "length":  # (max_tokens cut it: not a finished value)
             continue

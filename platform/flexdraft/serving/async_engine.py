@@ -157,7 +157,8 @@ class AsyncEngine:
     def load(self) -> dict:
         """Rows decoding, requests waiting, open streams and failure counts (read without locking: a snapshot
         for metrics and health)."""
-        return {"alive": self.alive, "running": self.engine.active, "waiting": len(self.engine.waiting),
+        return {"alive": self.alive, "max_batch": self.engine.config.max_batch, "running": self.engine.active,
+                "waiting": len(self.engine.waiting),
                 "streams": len(self._streams), "steps": self._stats.num_steps, "most_rows": self.most_rows,
                 "aborted": self.aborted, "failed_steps": self.failed_steps, "failed_requests": self.charged}
 
