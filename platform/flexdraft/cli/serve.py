@@ -74,8 +74,9 @@ def supervise(argv: list[str], app: str, grace_s: float) -> None:
     (docker stop, Kubernetes, systemd) or SIGINT (Ctrl-C). Then the app is deleted (`drain`): Serve stops routing
     to it and each replica finishes its in-flight requests for up to grace_s (graceful_shutdown_timeout_s), while
     the proxy keeps their streams open; then `serve run` gets SIGINT and stops Serve and Ray. Past grace_s +
-    RAY_STOP_S the child's session is killed (FlexDraftError). Says in one line how it stopped. (`os.execv` of
-    `serve run` left SIGTERM to Ray's driver handler: exit 15 at once, in-flight streams cut.)"""
+    RAY_STOP_S the child's session is killed (FlexDraftError). Says in one line how it stopped. (`serve run` alone
+    answers SIGTERM with Ray's driver handler, exit 15 at once, and its SIGINT path stops the proxy before the
+    replicas' streams end.)"""
     import os
     import signal
     import subprocess

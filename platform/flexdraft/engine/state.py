@@ -58,7 +58,7 @@ class Request:
     logprobs: list[TokenLogprob] | None = None  # one per token (params.logprobs set)
     matcher: Matcher | None = None  # its grammar's state after its tokens (params.grammar set)
     error: str | None = None  # why it ended with finish_reason "error" (its grammar could not go on)
-    group: object = None  # who sent it (a client): rows are shared fairly between groups (`Engine._schedule`)
+    group: object = None  # who sent it (a client): rows are shared fairly between groups (`scheduler.schedule`)
 
     def emit(self, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> list[int]:
         """Append tokens (and their logprobs, when the request asks), cut at a stop token or max_new_tokens -> the
@@ -74,8 +74,8 @@ class Request:
         if self.matcher is not None:
             self.matcher.consume(emitted)
             if self.matcher.error is not None:  # (the EOS its error state allowed is not a finished answer)
-                self.finish_reason, self.error = "error", f"the grammar failed after {len(self.tokens)} tokens: " \
-                    f"{self.matcher.error}"
+                self.finish_reason = "error"
+                self.error = f"the grammar failed after {len(self.tokens)} tokens: {self.matcher.error}"
         if self.logprobs is not None:
             self.logprobs.extend(logprobs[: len(emitted)])
         if self.index is not None:

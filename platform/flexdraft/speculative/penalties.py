@@ -82,8 +82,8 @@ def penalised(logits: torch.Tensor, rows: list[int], params: list[SamplingParams
             out[r, :, token] += bias
         if p.min_tokens and h.stop:
             early = (len(h.output) + depth[i] < p.min_tokens).nonzero().squeeze(-1)  # positions before min_tokens
-            stops = torch.tensor(sorted(h.stop), device=dev)
             if early.numel():  # (held back only where another token may come: a grammar's mask may allow none)
+                stops = torch.tensor(sorted(h.stop), device=dev)
                 others = out[r, early].index_fill(-1, stops, float("-inf"))  # [e, V]
                 early = early[others.isfinite().any(-1)]
                 out[r, early[:, None], stops[None]] = float("-inf")
