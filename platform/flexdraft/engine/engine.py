@@ -156,8 +156,8 @@ class Engine:
         self.check_request(prompt, params)
         V = self.target.args.vocab_size
         rid = next(self._ids)
-        req = Request(rid, prompt, params, make_generator(params, self.target.device), group=(
-                          ("request", rid) if group is None else group),
+        group = ("request", rid) if group is None else group
+        req = Request(rid, prompt, params, make_generator(params, self.target.device), group=group,
                       index=NgramIndex(prompt, self.lookup) if self.lookup else None, stop=params.stop_ids(self.eos),
                       logprobs=[] if params.logprobs is not None else None,
                       matcher=self.grammars.matcher(params.grammar) if params.grammar is not None else None)
