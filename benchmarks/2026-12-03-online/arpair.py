@@ -45,7 +45,7 @@ if __name__ == "__main__":
             t0 = time.perf_counter(); out = eng.step(); dt = time.perf_counter() - t0
             t[name].append(dt); h[name].append(dt - sum(out.stats.forward_seconds.values()))
             modes[name][out.stats.mode] = modes[name].get(out.stats.mode, 0) + 1
-            toks[name] += sum(map(len, out.tokens.values()))
+            toks[name] += sum(len(d.tokens) for d in out.deltas)
     for name in engines:
         print(name, f"step median {st.median(t[name])*1e3:.2f} ms, host median {st.median(h[name])*1e3:.2f} ms, "
               f"tok/s {toks[name]/sum(t[name]):.1f}", modes[name])

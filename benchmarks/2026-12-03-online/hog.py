@@ -64,7 +64,7 @@ if __name__ == "__main__":
                 t0 = time.perf_counter()
                 out = eng.step()
                 seconds[name, phase] += time.perf_counter() - t0
-                tokens[name, phase] += sum(map(len, out.tokens.values()))
+                tokens[name, phase] += sum(len(d.tokens) for d in out.deltas)
                 m = modes[name, phase]
                 m[out.stats.mode] = m.get(out.stats.mode, 0) + 1
                 for rid in list(eng.finished):

@@ -43,7 +43,7 @@ if __name__ == "__main__":
         t0 = time.perf_counter(); rid = engine.add_request(ids(t), params); first = None
         while engine.has_work():
             out = engine.step()
-            if out.tokens.get(rid) and first is None: first = time.perf_counter()
+            if any(d.id == rid and d.tokens for d in out.deltas) and first is None: first = time.perf_counter()
         n = len(engine.result(rid).token_ids)
         return t0, first, time.perf_counter(), n
 

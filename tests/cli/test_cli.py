@@ -42,6 +42,8 @@ def test_generate_json_lines_in_input_order(tmp_path, capsys, real_folder, real_
     (["--top-p", "1.5"], "top_p must be in (0, 1], got 1.5"),
     (["--dtype", "float8"], "unknown dtype 'float8'"),
     (["--mode", "lookup", "--store", "/nonexistent/ngrams.safetensors"], "no n-gram store at /nonexistent/ngrams.safetensors"),
+    (["--mode", "lookup", "--proposer", "nope"], "unknown proposer 'nope'"),
+    (["--proposer", "suffix={n: 1}"], "--proposer suffix={n: 1}: its settings are not JSON"),
 ])
 def test_bad_input_gives_one_line_error(capsys, argv, needle):
     assert main(["generate", "--prompt", "hi", *argv]) == 2
@@ -97,6 +99,10 @@ def test_generate_speculative_modes_json(tmp_path, capsys, real_folder, real_lm,
         assert row["token_ids"] == ref and row["mode"] == mode
         assert row["tau"] >= 1 and all(0 <= a <= 3 for a in row["accepted_lengths"])
         assert "[drafter: init; mode " + mode in err
+    # a draft source from a test file, by import path (tests/proposer_plugin), alone in lookup mode
+    plugin = 'proposer_plugin:SuffixProposer={"n": 1}'
+    assert main([*base, "--mode", "lookup", "--lookup", "0", "--proposer", plugin]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == ref
     assert main(base) == 0
     out, err = capsys.readouterr()
     assert json.loads(out)["token_ids"] == ref and "no drafter" in err and "mode ar" in err

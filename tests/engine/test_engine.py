@@ -24,6 +24,7 @@ from flexdraft.drafter.recipe import default_drafter_dir
 from flexdraft.engine.ar import generate, prefill
 from flexdraft.engine.config import EngineConfig
 from flexdraft.engine.engine import Engine
+from flexdraft.engine.proposer_api import Proposer
 from flexdraft.models.loading import load_model
 from flexdraft.speculative.branches import CostModel, monotone
 from flexdraft.speculative.drafts import Chains, DraftKind, Mode, Plan
@@ -331,8 +332,8 @@ def test_requests_joining_and_aborted_mid_flight_leave_other_rows_unchanged(tiny
         if step == 4:
             ids[engine.add_request(prompts[6], params)] = 6
         out = engine.step()
-        for rid, toks in out.tokens.items():
-            streamed[ids[rid]].extend(toks)
+        for delta in out.deltas:
+            streamed[ids[delta.id]].extend(delta.tokens)
         modes.add(out.stats.mode)
         if not engine.has_work():
             break
@@ -646,13 +647,15 @@ def test_a_draining_batch_takes_lookup_steps_only_where_every_lagging_row_has_a_
         del req.tokens[1:]  # both rows equally far from their max_new_tokens
     proposals = [([[5, 6, 7, 8]], DraftKind("lookup", 3)), ((), None)]  # row 0 has a match, row 1 none
 
-    class Fixed:  # a model-free proposer with these chains, honouring `first` as the protocol asks
+    class Fixed(Proposer):  # a proposer with these chains, honouring `first` as the protocol asks
+        name = "fixed"
+
         def options(self, requests, band, first):
             if any(proposals[r][1] is None for r in first or ()):
                 return []
             return [Chains(tuple(cs for cs, _ in proposals), tuple(k for _, k in proposals))]
 
-    e.model_free = [Fixed()]
+    e.proposers = [Fixed()]
     plan = lambda: e.weigh_model_free(2, e.band(2), 2 / 0.01)  # noqa: E731  (AR's rate)
 
     assert e.waiting and plan() is not None

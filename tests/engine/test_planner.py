@@ -109,7 +109,7 @@ def planned_modes(tiny, drafter, cost, wrong: bool, steps: int, prompts, before_
         s = engine.step().stats
         if not s.admitted:
             modes.append(s.mode)
-        for rid in [r for r in ids if r in engine.finished]:
+        for rid in [r for r in ids if r in engine.scheduler.finished]:
             assert engine.result(rid).token_ids == ref[tuple(ids.pop(rid))]
     return modes
 

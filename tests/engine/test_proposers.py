@@ -1,47 +1,114 @@
-"""A new draft source is one class: a model-free proposer defined here, in a test file only, joins an adaptive
-engine through its constructor; the planner weighs its drafts every step beside the drafter's plans, the
-verifier checks them like any other, and the output stays AR greedy."""
+"""A new draft source is one class in a file outside the package (tests/proposer_plugin), named in a config: the
+planner weighs its drafts every step beside the drafter's plans, the verifier checks them like any other, the
+output stays AR greedy, its steps are reported under its own name, and its `after_verify` hook sees the target's
+hidden states. Broken proposers and bad names are errors naming them."""
 import itertools
+
+import pytest
+import torch
 
 from conftest import ragged_prompts
 from engine_fixtures import drafters, tiny, tiny_folder  # noqa: F401 (fixtures)
-from flexdraft.engine.ar import generate
+from flexdraft.core.errors import FlexDraftError
+from flexdraft.engine.ar import generate, prefill
 from flexdraft.engine.config import EngineConfig
 from flexdraft.engine.engine import Engine
+from flexdraft.engine.proposer_api import ProposerContext, register_proposer
 from flexdraft.speculative.drafts import Chains, DraftKind, Mode
 from flexdraft.speculative.sampling import SamplingParams
+from proposer_plugin import SuffixProposer
 
-REPEAT = DraftKind("repeat")
-
-
-class RepeatLast:
-    """Drafts each row's last token again, block times (a request that asked for no speculation gets none)."""
-
-    def options(self, requests, band, first):
-        rows = tuple(([r.tokens[-1]] * band.block,) if r.params.max_draft_tokens != 0 else () for r in requests)
-        if any(not rows[i] for i in first or ()):
-            return []
-        return [Chains(rows, tuple(REPEAT if cs else None for cs in rows))]
+PLUGIN = "proposer_plugin:SuffixProposer"
 
 
-def test_a_proposer_added_in_a_test_file_runs_in_adaptive_mode(tiny, drafters):
-    """With prompt lookup off and verify forwards priced flat (drafts cost only their drafter pass), adaptive
-    steps verify RepeatLast's drafts and accept some of them, and every output equals AR greedy."""
-    prompts = ragged_prompts(3, seed=4)
-    params = SamplingParams(max_new_tokens=24)
-    ref = [g.token_ids for g in generate(tiny, prompts, params)]
-    engine = Engine(tiny, drafters["trained"], EngineConfig(mode="adaptive", max_batch=3, max_len=96, lookup=0),
-                    proposers=[RepeatLast()])
-    for rows, tokens in itertools.product((1, 2, 3), (1, 2, 3, 5, 9, 18)):
-        engine.costs.record("target", rows, tokens, 0.01)
-        engine.costs.record("parallel", rows, tokens, 0.05)
-        engine.costs.record("draft", rows, tokens, 0.05)
-    verified, verify = [], engine.verify
-    engine.verify = lambda plan, drafts, caps, batch: verified.append(drafts) or verify(plan, drafts, caps, batch)
+def flat_costs(engine: Engine, rows: int) -> None:
+    """Verify forwards priced flat, drafter passes dear: whatever a proposer offers that matches is worth a step."""
+    for n, tokens in itertools.product(range(1, rows + 1), (1, 2, 3, 5, 9, 18)):
+        engine.costs.record("target", n, tokens, 0.01)
+        engine.costs.record("parallel", n, tokens, 0.05)
+        engine.costs.record("draft", n, tokens, 0.05)
+
+
+def decode(engine: Engine, prompts, params):
     ids = [engine.add_request(p, params) for p in prompts]
     steps = []
     while engine.has_work():
         steps.append(engine.step().stats)
-    assert [engine.result(i).token_ids for i in ids] == ref
-    assert any(REPEAT in d.kinds for d in verified)
-    assert sum(a for s in steps if s.mode == Mode.LOOKUP for a in s.accepted) > 0
+    return [engine.result(i) for i in ids], steps
+
+
+def test_a_proposer_named_by_its_import_path_runs_beside_the_drafter_losslessly(tiny, drafters):
+    """Adaptive with the drafter, prompt lookup off and the plugin named in EngineConfig.proposers: some steps
+    verify its drafts and accept some, they count under its name (the step's kind, the engine's totals and each
+    request's mode share), every output equals AR greedy, and the hidden state its hook kept for a request is the
+    target's own at the last accepted token."""
+    prompts = ragged_prompts(3, seed=4)
+    params = SamplingParams(max_new_tokens=24)
+    ref = [g.token_ids for g in generate(tiny, prompts, params)]
+    engine = Engine(tiny, drafters["trained"], EngineConfig(mode="adaptive", max_batch=3, max_len=96, lookup=0,
+                                                            proposers={PLUGIN: {"n": 1}}))
+    plugin = engine.proposers[0]
+    assert isinstance(plugin, SuffixProposer) and plugin.name == PLUGIN
+    flat_costs(engine, 3)
+    gens, steps = decode(engine, prompts, params)
+    assert [g.token_ids for g in gens] == ref
+    ours = [s for s in steps if s.kind == PLUGIN]
+    assert ours and all(s.mode == Mode.LOOKUP for s in ours) and sum(a for s in ours for a in s.accepted) > 0
+    assert engine.totals.steps_by_mode[PLUGIN] == len(ours)
+    assert any(PLUGIN in g.stats.mode_share for g in gens)
+    assert plugin.verified == sum(1 for s in steps if s.mode not in ("prefill", "idle"))
+
+    # the hook's hidden state, after each step of a lone request that goes on: the target's at the token before
+    # the new bonus (the request's last token), as a prefill of everything before it computes it
+    rid = engine.add_request(prompts[0], SamplingParams(max_new_tokens=40))
+    engine.step()  # the prefill
+    for _ in range(4):
+        engine.step()
+        (req,) = engine.slots
+        expected = prefill(tiny, tiny.new_cache(1, 96), [req.prompt + req.tokens[:-1]])[0]
+        torch.testing.assert_close(plugin.features[rid], expected, rtol=1e-4, atol=1e-4)
+    engine.abort(rid)
+
+
+def test_a_registered_name_selects_the_same_proposer_in_lookup_mode_without_a_drafter(tiny):
+    """register_proposer("suffix", ...) then EngineConfig(mode lookup, lookup 0, proposers {suffix}): no drafter,
+    every speculative step is the plugin's, output equals AR greedy."""
+    register_proposer("suffix", SuffixProposer)
+    prompts = ragged_prompts(4, seed=9)
+    params = SamplingParams(max_new_tokens=20)
+    ref = [g.token_ids for g in generate(tiny, prompts, params)]
+    engine = Engine(tiny, None, EngineConfig(mode="lookup", lookup=0, max_batch=2, max_len=96,
+                                             proposers={"suffix": {}}))
+    gens, steps = decode(engine, prompts, params)
+    assert [g.token_ids for g in gens] == ref
+    kinds = {s.kind for s in steps if s.mode not in ("prefill", "idle")}
+    assert "suffix" in kinds and kinds <= {"suffix", "ar"}
+
+
+class Overreaching(SuffixProposer):
+    """Offers two diverging chains per row (a trie of up to 2 x block nodes) yet reserves one chain's slots."""
+    name = "overreaching"
+
+    def options(self, requests, band, first):
+        rows = tuple(((1,) * band.block, (2,) * band.block) for _ in requests)
+        return [Chains(rows, (DraftKind("suffix"),) * len(requests))]
+
+
+@pytest.mark.parametrize("proposers, error", [
+    ({"no_such_proposer": {}}, "unknown proposer 'no_such_proposer'"),
+    ({"proposer_plugin:Missing": {}}, "cannot import Missing from proposer_plugin"),
+    ({PLUGIN: {"depth": 3}}, "does not take settings"),
+    ({PLUGIN: 3}, "proposers maps a proposer's name to its settings"),
+])
+def test_bad_proposer_names_and_settings_are_named(tiny, proposers, error):
+    with pytest.raises(FlexDraftError, match=error):
+        Engine(tiny, None, EngineConfig(mode="lookup", lookup=0, max_batch=1, max_len=64, proposers=proposers))
+
+
+def test_a_proposer_offering_more_drafts_than_its_scratch_is_refused_by_name(tiny):
+    engine = Engine(tiny, None, EngineConfig(mode="lookup", max_batch=1, max_len=64, block_size=4),
+                    proposers=[Overreaching(ProposerContext(tiny, 4))])
+    engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=4))
+    engine.step()  # the prefill
+    with pytest.raises(FlexDraftError, match="proposer 'overreaching' offered 8 drafts per row, past the 5 cache"):
+        engine.step()

@@ -13,6 +13,7 @@ from flexdraft.evaluation.harness import METHODS, HarnessConfig, run_harness
 from flexdraft.evaluation.peers import PEERS, STACKS
 
 OURS = [m for m in METHODS if m not in PEERS]  # every method that runs in this venv
+PLUGIN = "proposer_plugin:SuffixProposer"  # tests/proposer_plugin, outside the package
 
 def test_registry_sizes_and_unavailable_sets():
     """GSM8K test 1,319, HumanEval 164, MT-Bench 80 x 2 turns, ShareGPT's 453 long documents; MATH and MBPP are
@@ -77,22 +78,24 @@ def test_harness_run_is_lossless_and_complete(tmp_path, mlflow_uri, tiny_smollm2
     """A tiny model with SmolLM2's tokenizer, fp32, untrained drafter, MT-Bench (two-turn prompts; MATH listed
     too) x batch 1, 2 x every method: every FlexDraft row equals our AR token for token; every cell has a row
     (prompt lookup and the all-branch parallel rows skipped above batch 1, with their reasons); the report names
-    the unavailable set; plots and results are logged to MLflow."""
+    the unavailable set; plots and results are logged to MLflow. A proposer defined in a test file (named by its
+    import path under `proposers`) is a method of its own, lossless, its steps in its own mode share."""
     cfg = HarnessConfig(model=str(tiny_smollm2), drafter="init", dtype="float32", threads=1,
                         datasets=["mt-bench", "math"], samples=2, batch_sizes=[1, 2], max_new_tokens=8,
                         answer_tokens=8, all_branches_max_batch=1, profile=True, output_dir=str(tmp_path / "out"),
-                        methods=OURS)  # (opt-in methods too)
+                        methods=list(OURS), proposers={PLUGIN: {}})  # (opt-in methods too)
     results = run_harness(cfg)
     rows = results["rows"]
     assert {(r["dataset"], r["batch"], r["method"]) for r in rows} == {
-        ("mt-bench", b, m) for b in (1, 2) for m in OURS}
+        ("mt-bench", b, m) for b in (1, 2) for m in (*OURS, PLUGIN)}
+    assert all(PLUGIN in r["mode_share"] for r in rows if r["method"] == PLUGIN)
     ran = [r for r in rows if "skipped" not in r]
     skipped = {(r["method"], r["batch"]): r["skipped"] for r in rows if "skipped" in r}
     assert skipped.keys() == {("hf-prompt-lookup", 2), ("parallel", 2), ("parallel-uncalibrated", 2)}
     assert "all_branches_max_batch" in skipped[("parallel", 2)]
     for r in ran:
         assert r["tokens"] > 0 and r["tok_s"] > 0 and r["prompts"] == 2
-        if METHODS[r["method"]].kind == "engine":
+        if cfg.method(r["method"]).kind == "engine":
             assert r["mismatched_rows"] == 0, r
             assert abs(sum(r["mode_share"].values()) - 1) < 1e-9
         ar = next(a for a in ran if (a["method"], a["batch"], a["dataset"]) == ("ar", r["batch"], r["dataset"]))

@@ -93,6 +93,8 @@ def apps(ray_head, real_folder, tiny_smollm2, tiny_pipeline, tmp_path_factory):
                     health_check_period_s=1, health_check_timeout_s=5),
         application("real", "/real", home, real_folder, tracking, autoscaling_config={"min_replicas": 1, "max_replicas": 1}),
     ]
+    # the tiny app's replicas can import the test-file proposer (`test_a_proposer_from_a_test_file_...` names it)
+    cfg["applications"][0]["runtime_env"]["py_modules"] = [str(REPO / "tests" / "proposer_plugin")]
     cfg["applications"][1]["deployments"][0]["user_config"]["engine"].update(max_batch=2, max_len=512)
     cfg["applications"][1]["runtime_env"]["env_vars"]["FLEXDRAFT_FAULT_INJECTION"] = "1"  # its loop is killed
     cfg["applications"][2]["deployments"][0]["user_config"]["engine"]["cost_model"] = False  # no profiling at start
@@ -804,6 +806,44 @@ def test_real_smollm2_through_http_equals_its_greedy_output(apps, real_lm, gsm8k
     assert out.choices[0].token_ids == ref
     streamed = client.completions.create(model=model, prompt=ids, max_tokens=24, temperature=0, stream=True)
     assert "".join(c.choices[0].text for c in streamed if c.choices) == out.choices[0].text
+
+
+def redeploy(apps, config: dict, ready) -> None:
+    """`serve deploy` the apps' config as `config`, then wait until ready() is true (the replica built its engine)."""
+    apps["config"].write_text(yaml.safe_dump(config))
+    subprocess.run([SERVE, "deploy", str(apps["config"]), "--address", "http://127.0.0.1:8265"], env=ENV,
+                   check=True, capture_output=True, timeout=120)
+    deadline = time.time() + 120
+    while not ready():
+        assert time.time() < deadline, "the redeployed app did not come back"
+        time.sleep(1)
+
+
+def test_a_proposer_from_a_test_file_serves_through_the_replica_losslessly(apps):
+    """The tiny app redeployed with `engine.proposers` naming tests/proposer_plugin's SuffixProposer by import path
+    (shipped by its runtime_env's py_modules; no edit to the package) in lookup mode: the replica's answers are AR
+    greedy, their `flexdraft` block's mode share names the proposer, and so does the steps metric's mode label;
+    then the app goes back to its config."""
+    lm, name = apps["tiny"], "proposer_plugin:SuffixProposer"
+    original = yaml.safe_load(apps["config"].read_text())
+    cfg = yaml.safe_load(apps["config"].read_text())
+    cfg["applications"][0]["deployments"][0]["user_config"]["engine"].update(mode="lookup", lookup=0,
+                                                                             proposers={name: {"n": 1}})
+    card = lambda: httpx.get(f"{URL}/v1/models", headers=AUTH, timeout=60).json()["data"][0]["flexdraft"]  # noqa: E731
+    redeploy(apps, cfg, lambda: card().get("proposers") == name)
+    assert card()["mode"] == "lookup"
+    try:
+        ids = lm.tokenizer("one two three one two three one two")["input_ids"]
+        r = httpx.post(f"{URL}/v1/completions", headers=AUTH, timeout=60,
+                       json={"prompt": ids, "max_tokens": 16, "temperature": 0, "return_token_ids": True}).json()
+        assert r["choices"][0]["token_ids"] == greedy(lm, ids, 16)
+        assert r["flexdraft"]["mode_share"].get(name, 0) > 0, r["flexdraft"]
+        deadline = time.time() + 60  # (Ray exports the replica's metrics every few seconds)
+        while f'mode="{name}"' not in httpx.get(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=10).text:
+            assert time.time() < deadline, "the steps metric never named the proposer"
+            time.sleep(2)
+    finally:
+        redeploy(apps, original, lambda: "proposers" not in card() and card()["mode"] != "lookup")
 
 
 def test_a_promoted_version_redeployed_is_what_the_replica_loaded(apps):

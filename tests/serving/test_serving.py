@@ -15,7 +15,7 @@ from flexdraft.drafter.model import Drafter, DrafterConfig
 from flexdraft.engine.config import EngineConfig
 from flexdraft.engine.engine import Engine
 from flexdraft.models.loading import load_model
-from flexdraft.serving.async_engine import AsyncEngine, EngineFailed, EngineUnavailable, built_apart
+from flexdraft.serving.async_engine import MAX_STRIKES, AsyncEngine, EngineFailed, EngineUnavailable, built_apart
 from flexdraft.serving.config import ServeConfig, apply_live
 from flexdraft.serving.openai_api import APIError, TextStream, compile_grammar, parse_request
 from flexdraft.speculative.sampling import SamplingParams
@@ -59,7 +59,7 @@ def test_concurrent_requests_share_batches_and_equal_the_engines_own_output(part
     params = SamplingParams(max_new_tokens=20)
     ref = [g.token_ids for g in engine(parts).generate(prompts, params)]
     rows = []
-    ae = AsyncEngine(engine(parts), on_step=lambda stats, e: rows.append(stats.rows))
+    ae = AsyncEngine(engine(parts), on_step=lambda out: rows.append(out.stats.rows))
 
     async def main():
         return await asyncio.gather(*(collect(ae, p, params, 0.005 * i) for i, p in enumerate(prompts)))
@@ -130,8 +130,8 @@ def poison_steps(e: Engine, monkeypatch, poisoned=lambda req: req.params.seed ==
     a request the engine cannot decode, as a value that passes validation but not the layers beneath would."""
     real_step, failures = e.step, []
 
-    def step():
-        out = real_step()
+    def step(admit_limit=None):
+        out = real_step(admit_limit)
         if len(failures) < times and any(poisoned(r) for r in e.slots):
             failures.append(1)
             raise RuntimeError("poisoned row")
@@ -163,7 +163,7 @@ def test_a_failed_step_is_charged_to_the_request_that_causes_it_and_the_others_s
     try:
         first, *results = asyncio.run(main())
         assert wait_for(lambda: ae.load()["running"] == ae.load()["waiting"] == ae.load()["streams"] == 0)
-        assert ae.alive and e.admit_limit is None
+        assert ae.alive and ae._admit_limit is None
     finally:
         ae.shutdown()
     assert [r[0] for r in results] == ref
@@ -191,11 +191,11 @@ def fail_inside_a_step(e: Engine, monkeypatch, where: str, after_steps: int = 3)
     if where == "forward":
         real = e.verifier.target_logits
 
-        def target_logits(tokens, pos, cache):
-            logits = real(tokens, pos, cache)
+        def target_logits(tokens, pos, cache, **tree):
+            out = real(tokens, pos, cache, **tree)
             if due():
                 raise RuntimeError("failed after the verify forward")
-            return logits
+            return out
 
         monkeypatch.setattr(e.verifier, "target_logits", target_logits)
     else:
@@ -315,6 +315,31 @@ def test_a_dead_loop_says_so_and_nobody_waits_for_it(parts):
         asyncio.run(collect(ae, prompts[0], params))
     with pytest.raises(EngineUnavailable):
         ae.call(lambda eng: None)
+
+
+def test_steps_that_fail_before_any_request_is_in_them_end_the_loop(parts, monkeypatch):
+    """A step that raises before it admits or decodes anything (the engine itself broken, not a request) has no
+    request to charge: after MAX_STRIKES such steps in a row the loop ends, says why, and the waiting callers get
+    EngineUnavailable, where before it retried for ever (its failures piling up in the log)."""
+    e = engine(parts)
+    calls = []
+
+    def broken(admit_limit=None):
+        calls.append(admit_limit)
+        raise RuntimeError("the engine is broken")
+
+    monkeypatch.setattr(e, "step", broken)
+    ae = AsyncEngine(e)
+    params = SamplingParams(max_new_tokens=8)
+
+    async def main():
+        return await asyncio.wait_for(asyncio.gather(*(collect(ae, p, params) for p in ragged_prompts(3, seed=2)),
+                                                     return_exceptions=True), 10)
+
+    results = asyncio.run(main())
+    assert all(isinstance(r, EngineUnavailable) for r in results), results
+    assert not ae.alive and "EngineBroken" in ae.death and "the engine is broken" in ae.death
+    assert len(calls) == MAX_STRIKES and ae.failed_steps == MAX_STRIKES
 
 
 def test_calls_time_out_and_drain_lets_running_requests_finish(parts):

@@ -34,6 +34,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--mode", choices=MODES,
                    help="decoding mode (default: adaptive when a drafter is available, else ar)")
+    p.add_argument("--proposer", action="append", default=[], metavar="NAME[=JSON]",
+                   help="a draft source beside prompt lookup (repeatable): a registered name, an entry point of group "
+                        "flexdraft.proposers or an import path module:attribute, its settings as a JSON object")
     for f in dataclasses.fields(EngineConfig):
         if "help" in f.metadata:
             p.add_argument(f.metadata["flag"] or "--" + f.name.replace("_", "-"), dest=f.name, type=type(f.default),
@@ -46,4 +49,22 @@ def engine_config(args):
     from flexdraft.engine.config import EngineConfig
 
     knobs = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if "help" in f.metadata}
-    return EngineConfig(mode=args.mode or "adaptive", **knobs)
+    return EngineConfig(mode=args.mode or "adaptive", proposers=proposer_settings(args.proposer), **knobs)
+
+
+def proposer_settings(flags: list[str]) -> dict:
+    """--proposer NAME[=JSON] flags -> {name: settings} (EngineConfig.proposers)."""
+    import json
+
+    from flexdraft.core.errors import FlexDraftError
+
+    out = {}
+    for flag in flags:
+        name, _, settings = flag.partition("=")
+        try:
+            out[name] = json.loads(settings) if settings else {}
+        except json.JSONDecodeError as e:
+            raise FlexDraftError(f"--proposer {flag}: its settings are not JSON ({e})") from None
+        if not isinstance(out[name], dict):
+            raise FlexDraftError(f"--proposer {flag}: settings must be a JSON object")
+    return out

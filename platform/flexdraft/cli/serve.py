@@ -15,6 +15,7 @@ def cmd_serve(args) -> None:
 
     import yaml
 
+    from flexdraft.cli.flags import proposer_settings
     from flexdraft.core.config import data_dir, from_dict, read_yaml
     from flexdraft.serving.config import ServeConfig, check_exposure
 
@@ -34,6 +35,8 @@ def cmd_serve(args) -> None:
             user[key] = getattr(args, key)
     if args.mode:
         user.setdefault("engine", {})["mode"] = args.mode
+    if args.proposer:
+        user.setdefault("engine", {}).setdefault("proposers", {}).update(proposer_settings(args.proposer))
     if args.num_cpus is not None:  # e.g. 1 on a cluster of 1-CPU nodes (a replica larger than every node never starts)
         app["deployments"][0].setdefault("ray_actor_options", {})["num_cpus"] = args.num_cpus
     pin_drafter(user)
@@ -155,6 +158,9 @@ def register(sub) -> None:
                                      "pipeline's)")
     s.add_argument("--store", help="override user_config.store")
     s.add_argument("--mode", help="override user_config.engine.mode")
+    s.add_argument("--proposer", action="append", default=[], metavar="NAME[=JSON]",
+                   help="add a draft source to user_config.engine.proposers (see flexdraft generate --help); the "
+                        "replicas must be able to import it (installed, or runtime_env py_modules)")
     s.add_argument("--num-cpus", type=float, help="override each replica's ray_actor_options.num_cpus (its threads)")
     s.add_argument("--deploy", action="store_true", help="`serve deploy` to the running cluster (RAY_DASHBOARD_ADDRESS) "
                                                          "and return, instead of `serve run` here")

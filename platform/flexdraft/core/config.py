@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import os
 import types
 import typing
@@ -93,16 +94,21 @@ def _check_type(value, hint) -> bool:
         return isinstance(value, int) and not isinstance(value, bool)
     if dataclasses.is_dataclass(hint):
         return isinstance(value, dict) or isinstance(value, hint)
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):  # its value's name (the dataclass converts it)
+        return isinstance(value, hint) or isinstance(value, str)
     return isinstance(value, hint)
 
 
 def from_dict(cls, data: dict | None, where: str = ""):
     """Build dataclass `cls` from `data`, recursing into nested dataclasses (a nested section's missing keys take
     the field's default, e.g. `calibration: {lr: 3e-3}` keeps the calibration default's steps); unknown keys and
-    wrong types raise FlexDraftError naming the key."""
+    wrong types raise FlexDraftError naming the key. A class with a `check_mapping(data)` classmethod sees the
+    mapping first (what was written, not only what it makes, e.g. two keys that must not both be set)."""
     data = data or {}
     if not isinstance(data, dict):
         raise FlexDraftError(f"config{where}: expected a mapping, got {type(data).__name__}")
+    if hasattr(cls, "check_mapping"):
+        cls.check_mapping(data)
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - fields.keys())

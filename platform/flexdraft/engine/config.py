@@ -22,7 +22,7 @@ def _knob(default, help_: str, flag: str = ""):
 
 @dataclass(frozen=True)
 class EngineConfig:
-    mode: str = "adaptive"  # one of MODES
+    mode: Mode = Mode.ADAPTIVE  # (a config file's or flag's name, e.g. "lookup", becomes its Mode)
     block_size: int = _knob(0, "drafts verified per step (0 = the drafter's block size; lookup alone: 8)")
     switch_batch: int = _knob(4, "S: adaptive runs parallel mode at <= this many rows, sequential above")
     top_m: int = _knob(0, "parallel: keep at most the m most probable branches per row (0 = no cap)")
@@ -35,13 +35,19 @@ class EngineConfig:
     tree_width: int = 4  # a tree's depth-j nodes are among slot j's top tree_width drafts
     # adaptive weighs a lookup step every step (with the cost model), mode lookup takes one whenever a row has a match
     lookup: int = _knob(4, "prompt-lookup drafts from n-grams of up to this size (lookup, adaptive; 0 = none)")
+    # draft sources beside prompt lookup, by name (engine/proposer_api.py: registered, an entry point, or an import
+    # path module:attribute) -> their settings; lookup and adaptive steps weigh their drafts, mode share names them
+    proposers: dict = field(default_factory=dict)
     max_batch: int = _knob(16, "rows decoded together (continuous batching); further requests wait",
                            flag="--batch-size")
     max_len: int = _knob(0, "cache slots per row (0: min(2048, context); see Engine.slots_needed)")
 
-    def check(self, drafter: Drafter | None, context: int) -> None:
+    def __post_init__(self):
         if self.mode not in MODES:
             raise FlexDraftError(f"engine mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        object.__setattr__(self, "mode", Mode(self.mode))
+
+    def check(self, drafter: Drafter | None, context: int) -> None:
         if self.mode not in NO_DRAFTER and drafter is None:
             raise FlexDraftError(f"mode {self.mode} needs a drafter (modes ar and lookup do not)")
         if drafter is not None and not 0 <= self.block_size <= drafter.config.block_size:
@@ -58,9 +64,13 @@ class EngineConfig:
             raise FlexDraftError("mode tree needs tree_nodes >= 1")
         if self.block_size < 0:
             raise FlexDraftError(f"block_size must be >= 0, got {self.block_size}")
-        if self.lookup < 0 or (self.mode == Mode.LOOKUP and not self.lookup):
-            raise FlexDraftError(f"lookup (the longest n-gram matched) must be >= 0, and >= 1 for mode lookup, "
-                                 f"got {self.lookup}")
+        if self.lookup < 0 or (self.mode == Mode.LOOKUP and not self.lookup and not self.proposers):
+            raise FlexDraftError(f"lookup (the longest n-gram matched) must be >= 0, and >= 1 for mode lookup "
+                                 f"without other proposers, got {self.lookup}")
+        bad = [k for k, v in self.proposers.items() if not isinstance(k, str) or not isinstance(v, dict | None)]
+        if bad:
+            raise FlexDraftError(f"proposers maps a proposer's name to its settings (a mapping), got {bad[0]!r}: "
+                                 f"{self.proposers[bad[0]]!r}")
         if self.switch_batch < 0:
             raise FlexDraftError(f"switch_batch must be >= 0, got {self.switch_batch}")
         if self.max_batch < 1:
@@ -79,7 +89,7 @@ def resolve(cfg: EngineConfig, drafter: Drafter | None, context: int, policy: Po
     if policy is not None:
         changes.update(policy.engine_settings())
     elif not mode_given:
-        changes["mode"] = Mode.ADAPTIVE.value if drafter is not None else Mode.AR.value
+        changes["mode"] = Mode.ADAPTIVE if drafter is not None else Mode.AR
     if cfg.max_len == 0:
         changes["max_len"] = min(2048, context)
     resolved = dataclasses.replace(cfg, **changes)

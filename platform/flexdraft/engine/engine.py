@@ -9,13 +9,14 @@ Per row the engine holds `lens` (tokens in the cache), `bonus` (the last emitted
 it sits at position lens) and, in `RowState`, drafts a parallel step's matched branch left for the next step.
 A step hands values from part to part:
   1. admit waiting requests (prefill, draw the first token: the row's bonus; a step that admits ends there), or
-  2. plan (`Plan`, no side effect: the policy's band, or the adaptive planner's choice; a model-free
-     proposer's drafts ride in the plan of a lookup step);
+  2. plan (`Plan`, no side effect: the policy's band, or the adaptive planner's choice; a `Proposer`'s
+     drafts ride in the plan of a lookup step, which names it);
   3. propose: the step's `Drafts`, a token tree per row (a chain: each node hangs from the one before), from the
      drafter (`proposers.DrafterProposer`) or the plan;
   4. verify [bonus, nodes] per row in one target forward (`verification.Verifier`; parallel mode: candidate draft
-     blocks carried through the same forward), `rejection_sample` -> `Verdict`, commit what was accepted, retire
-     finished rows (the last row moves into the freed one) -> `StepOutput`.
+     blocks carried through the same forward), `rejection_sample` -> `Verdict`, commit what was accepted, tell
+     every proposer (`Proposer.after_verify`), retire finished rows (the last row moves into the freed one)
+     -> `StepOutput`.
 Lossless: every emitted token is the target's argmax (greedy) or drawn by speculative sampling against
 the target's distribution; the drafts only decide how many of them one forward yields.
 """
@@ -24,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from collections import deque
 from collections.abc import Sequence
 
 import torch
@@ -35,10 +35,11 @@ from flexdraft.engine import profiling
 from flexdraft.engine.ar import prefill
 from flexdraft.engine.config import EngineConfig, resolve
 from flexdraft.engine.options import committed_logprobs, emitted_logprobs, processed, shared_prefills
-from flexdraft.engine.proposers import DrafterProposer, LookupProposer, ModelFreeProposer, critical_rows
-from flexdraft.engine.scheduler import schedule
+from flexdraft.engine.proposer_api import Proposer, ProposerContext, Verified, build_proposer
+from flexdraft.engine.proposers import DrafterProposer, LookupProposer, critical_rows
+from flexdraft.engine.scheduler import Scheduler
 from flexdraft.engine.state import Request, RowState, count_acceptance, draft_caps, speculating_share
-from flexdraft.engine.stats import IDLE, PREFILL, Recovery, SpecDecodingStats, StepOutput, StepStats
+from flexdraft.engine.stats import IDLE, PREFILL, Recovery, RequestDelta, SpecDecodingStats, StepOutput, StepStats
 from flexdraft.engine.verification import Verifier
 from flexdraft.models.transformer import Transformer
 from flexdraft.speculative.branches import branch_anchors
@@ -57,19 +58,19 @@ LIVE_KNOBS = ("switch_batch", "top_m", "rho", "calibrate", "cost_model")
 class Engine:
     """Continuous-batching speculative decoder over preallocated buffers.
 
-    `add_request(prompt_ids, params) -> id`, `step() -> StepOutput`, `abort(id)`, `result(id)`; `generate` is a
-    thin loop over them. Requests beyond `max_batch` wait and are admitted as rows finish, fairly between the
-    groups (clients) that sent them (`scheduler.schedule`)."""
+    `add_request(prompt_ids, params) -> id`, `step(admit_limit) -> StepOutput` (a `RequestDelta` per request that
+    made tokens), `abort(id)`, `result(id)`; `generate` is a thin loop over them. Requests beyond `max_batch` wait
+    and are admitted as rows finish, fairly between the groups (clients) that sent them (`Scheduler`)."""
 
     def __init__(self, target: Transformer, drafter: Drafter | None, config: EngineConfig, eos_token_ids=(),
                  acceptance_prior: dict | None = None, store: NgramStore | None = None, policy: Policy | None = None,
-                 proposers: Sequence[ModelFreeProposer] = (), grammars: Grammars | None = None):
+                 proposers: Sequence[Proposer] = (), grammars: Grammars | None = None):
         """config: as asked (`config.resolve` makes the one the engine runs with, `self.config`). policy: the step
         settings per live batch size (`policy_file`); it sets the config's mode (adaptive), S, cost model and the
         largest block, tree and n-gram size its bands use. The caller checks it was measured for this target and
-        drafter (`runner.resolve_policy`). proposers: model-free draft sources weighed beside
-        prompt lookup (adaptive and lookup steps). grammars: compiles requests' grammars against the target's
-        tokenizer (None: requests with a grammar are refused)."""
+        drafter (`runner.resolve_policy`). proposers: draft sources weighed beside prompt lookup (adaptive and
+        lookup steps), after those `config.proposers` names (`proposer_api`). grammars: compiles requests'
+        grammars against the target's tokenizer (None: requests with a grammar are refused)."""
         config = resolve(config, drafter, target.args.max_position_embeddings, policy)
         self.target, self.drafter, self.config, self.policy = target, drafter, config, policy
         if drafter is not None and drafter.paired is None:
@@ -79,7 +80,8 @@ class Engine:
             self.B = config.block_size or drafter.config.block_size
         else:
             self.B = (config.block_size or 8) if config.mode == Mode.LOOKUP else 0
-        # n-gram size of prompt-lookup drafts (0: none); adaptive weighs them by cost only
+        # proposers' drafts (prompt lookup's: n-grams of up to `lookup` tokens; 0: none); adaptive weighs them by
+        # cost only
         weighed = config.mode == Mode.LOOKUP or (config.mode == Mode.ADAPTIVE and (config.cost_model or policy))
         self.lookup = config.lookup if weighed else 0
         self.store = store if self.lookup else None  # a corpus's drafts beside the request's own (lookup steps)
@@ -90,22 +92,21 @@ class Engine:
         self.trees = bool(self.B and config.tree_nodes and config.mode in (Mode.TREE, Mode.ADAPTIVE))
         self.state = RowState.empty(R, max(self.B, 1), min(config.tree_width, target.args.vocab_size)
                                     if self.trees else 1, dev)
-        self.slots: list[Request] = []  # request of cache row r
-        self.waiting: deque[Request] = deque()
-        self.admit_limit: int | None = None  # at most this many admissions a step (a server isolating a failure)
-        self.finished: dict[int, Request] = {}
+        self.scheduler = Scheduler(R)  # the requests: waiting, in rows (request of cache row r), finished
         self._ids = itertools.count()
-        self.planner = Planner(self.B, config.switch_batch, config.tree_nodes, self.trees, config.cost_model,
-                               acceptance_prior, config.online)
-        self.acceptance, self.costs = self.planner.acceptance, self.planner.costs
-        # the proposers (engine/proposers.py): the drafter's drafts; the model-free ones, prompt lookup's first
+        # the proposers: the drafter's drafts (engine/proposers.py); the others' (`Proposer`), prompt lookup's first
         self.proposer = DrafterProposer(target, drafter, self.cache, self.state, self.trees, self.timed) \
             if drafter is not None else None
         self.verifier = Verifier(target, drafter, self.cache, self.state, self.timed)
-        self.model_free: list[ModelFreeProposer] = [LookupProposer(self.B, self.store)] if self.lookup else []
-        self.model_free += list(proposers)
+        self.proposers: list[Proposer] = [LookupProposer(self.B, self.store)] if self.lookup else []
+        if weighed:
+            context = ProposerContext(target, self.B, self.store)
+            self.proposers += [build_proposer(name, context, settings) for name, settings in config.proposers.items()]
+            self.proposers += list(proposers)
+        self.planner = Planner(self.B, config.switch_batch, config.tree_nodes, self.trees, config.cost_model,
+                               acceptance_prior, config.online, self._acceptance_rate)
+        self.acceptance, self.costs = self.planner.acceptance, self.planner.costs
         self.stats = StepStats(IDLE, 0)  # the step under way (the last one between steps)
-        self._done: list[int] = []  # requests the step under way finished
         self.clock = time.perf_counter  # what steps and forwards are timed with (the cost model learns from it)
         self.totals = SpecDecodingStats()  # since start
         self.pruned_misses = 0  # parallel steps' rows whose accepted length fell on a pruned branch, since start
@@ -163,37 +164,39 @@ class Engine:
                       matcher=self.grammars.matcher(params.grammar) if params.grammar is not None else None)
         if not params.greedy and self.state.q is None and self.B:
             self.state.q = torch.zeros(self.config.max_batch, self.B, V, device=self.target.device)
-        self.waiting.append(req)
+        self.scheduler.add(req)
         return req.id
 
     def slots_needed(self, prompt_len: int, max_new_tokens: int) -> int:
         """Cache slots a request needs: its tokens, the verify block and, when parallel steps may run, the
         branch tokens' scratch past the verify block ((B+1)^2 at most), or a token tree's nodes."""
         branches = (self.B + 1) ** 2 if self.config.mode in (Mode.PARALLEL, Mode.ADAPTIVE) else 0
-        tree = max(self.config.tree_nodes + 1 if self.trees else 0, 2 * self.B + 1 if self.store else 0)
+        tree = max([self.config.tree_nodes + 1 if self.trees else 0]
+                   + [p.scratch_slots(self.B) for p in self.proposers])
         return prompt_len + max_new_tokens + max(self.B + 1 + branches, tree)
+
+    def _acceptance_rate(self, kind) -> float | None:
+        """The prior acceptance rate of a proposer's `kind` of drafts (its `acceptance_rate`)."""
+        rates = (p.acceptance_rate(kind) for p in self.proposers)
+        return next((r for r in rates if r is not None), None)
 
     def abort(self, request_id: int) -> None:
         """Drop a waiting or running request; the other rows are untouched."""
-        for req in self.waiting:
-            if req.id == request_id:
-                self.waiting.remove(req)
-                req.finish_reason = "abort"
-                self.finished[req.id] = req
-                return
-        for req in self.slots:
-            if req.id == request_id:
-                req.finish_reason = "abort"
-                self._retire()
-                return
-        raise FlexDraftError(f"no running or waiting request with id {request_id}")
+        self.scheduler.abort(request_id, self._move_row)
 
     def result(self, request_id: int) -> Generation:
         """The finished (or aborted) request's generation; the engine forgets it (a server calls this once
         per request it added)."""
-        if request_id not in self.finished:
-            raise FlexDraftError(f"request {request_id} is not finished (or unknown)")
-        return self.finished.pop(request_id).generation()
+        return self.scheduler.result(request_id).generation()
+
+    @property
+    def slots(self) -> list[Request]:
+        """The running requests: slots[r] holds cache row r."""
+        return self.scheduler.running
+
+    @property
+    def waiting(self):
+        return self.scheduler.waiting
 
     @property
     def active(self) -> int:
@@ -205,13 +208,14 @@ class Engine:
     # ---------------------------------------------------------------- the step
 
     @torch.inference_mode()
-    def step(self) -> StepOutput:
-        """One step: admit waiting requests (prefill, first tokens), else plan, propose, verify every row."""
+    def step(self, admit_limit: int | None = None) -> StepOutput:
+        """One step: admit waiting requests (prefill, first tokens; at most admit_limit of them, None: as rows
+        free up, e.g. 1 while a server isolates a failure), else plan, propose, verify every row."""
         t0 = self.clock()
         stats = self.stats = StepStats(IDLE, 0)  # this step's, filled as it goes
-        self._done = []
-        emitted = self._admit()  # a step that admits ends with the first tokens: they stream after the prefill alone
-        self._retire()
+        # a step that admits ends with the first tokens: they stream after the prefill alone
+        deltas = self._admit(admit_limit)
+        self.scheduler.retire(self._move_row)
         n = len(self.slots)
         decoding = bool(n and not stats.admitted)
         if decoding:
@@ -220,21 +224,18 @@ class Engine:
             caps = torch.tensor(draft_caps(reqs, self.B, self.config.online), dtype=torch.long,
                                 device=self.target.device)
             plan = self.plan(n, caps)
-            stats.mode, stats.rows, stats.block = plan.mode.value, n, plan.block
-            emitted = self.verify(plan, self.propose(plan, caps, batch), caps, batch)
-            self._retire()
+            stats.mode, stats.proposer, stats.rows, stats.block = plan.mode, plan.proposer, n, plan.block
+            deltas = self.verify(plan, self.propose(plan, caps, batch), caps, batch)
+            self.scheduler.retire(self._move_row)
         self._sync()
         stats.seconds = self.clock() - t0
-        out = {req.id: tokens for req, tokens in emitted}
-        logprobs = {req.id: req.logprobs[len(req.logprobs) - len(tokens):] for req, tokens in emitted
-                    if req.logprobs is not None}
-        stats.tokens = sum(len(v) for v in out.values())
+        stats.tokens = sum(len(d.tokens) for d in deltas)
         if decoding:
             forwards = sum(stats.forward_seconds.values())
-            self.costs.record_step(stats.mode, stats.seconds, forwards)
+            self.costs.record_step(stats.kind, stats.seconds, forwards)
             self.planner.observe(plan, forwards)
         self.totals.observe(stats)
-        return StepOutput(out, self._done, stats, logprobs)
+        return StepOutput(tuple(d for d in deltas if d.tokens or d.finish_reason), stats, *self.scheduler.ids())
 
     def _parallel_may_follow(self, n: int) -> bool:
         """Whether a parallel step may come at n rows (its pruning weighs the drafts' confidences)."""
@@ -278,7 +279,7 @@ class Engine:
     def plan(self, n: int, caps: torch.Tensor | None = None) -> Plan:
         """The plan of a step with n rows, by their band: a fixed mode (lookup: AR when no row has a match), or
         adaptive: the planner's (`Planner.adaptive`, weighing each row by its cap and its own acceptance),
-        unless this step's model-free drafts promise more. No side effect: the drafts a lookup plan verifies
+        unless one of this step's proposers' options promises more. No side effect: the drafts a lookup plan verifies
         ride in it."""
         band = self.band(n)
         Bv = band.block or self.B
@@ -290,7 +291,7 @@ class Engine:
         fresh = int((self.state.ndrafts[:n] == 0).sum())
         share = 1.0 if caps is None or not self.config.online else speculating_share(self.slots[:n], caps.tolist(), Bv)
         plan, rate = self.planner.adaptive(n, fresh, self.totals.num_steps, band, share)
-        if self.model_free and rate is not None:  # against an AR step, a margin (see LOOKUP_MARGIN)
+        if self.proposers and rate is not None:  # against an AR step, a margin (see LOOKUP_MARGIN)
             rate_to_beat = rate * (LOOKUP_MARGIN if plan.mode == Mode.AR else 1.0)
             return self.weigh_model_free(n, band, rate_to_beat) or plan
         return plan
@@ -299,20 +300,33 @@ class Engine:
         return SamplingBatch.of([r.params for r in requests], [r.generator for r in requests], self.target.device)
 
     def _options(self, n: int, band: Band, first: list[int] | None) -> list[Chains]:
-        """Every model-free proposer's candidate drafts for rows 0..n-1 (see `ModelFreeProposer.options`)."""
-        return [o for p in self.model_free for o in p.options(self.slots[:n], band, first)]
+        """Every proposer's candidate drafts for rows 0..n-1 (`Proposer.options`), each named by its source and
+        checked: a proposer's bug is a FlexDraftError naming it, not a wrong verify."""
+        options = []
+        for p in self.proposers:
+            for option in p.options(self.slots[:n], band, first):
+                if len(option.rows) != n or len(option.kinds) != n:
+                    raise FlexDraftError(f"proposer {p.name!r} offered drafts for {len(option.rows)} rows and "
+                                         f"{len(option.kinds)} kinds, not the step's {n}")
+                if option.nodes(band.block or self.B) + 1 > p.scratch_slots(self.B):
+                    raise FlexDraftError(f"proposer {p.name!r} offered {option.nodes(band.block or self.B)} drafts "
+                                         f"per row, past the {p.scratch_slots(self.B)} cache slots its "
+                                         f"scratch_slots({self.B}) reserves")
+                options.append(dataclasses.replace(option, source=p.name))
+        return options
 
     def _lookup_plan(self, option: Chains, Bv: int) -> Plan:
         n = len(option.kinds)
-        return Plan(Mode.LOOKUP, Bv, drafts=option.drafts(Bv, self.state.bonus[:n].tolist(), self.target.device))
+        return Plan(Mode.LOOKUP, Bv, proposer=option.source,
+                    drafts=option.drafts(Bv, self.state.bonus[:n].tolist(), self.target.device))
 
     def model_free_plan(self, n: int, Bv: int) -> Plan | None:
-        """A lookup step of Bv drafts per row over the first model-free drafts that match somewhere (None: none)."""
+        """A lookup step of Bv drafts per row over the first proposer's drafts that match somewhere (None: none)."""
         options = self._options(n, self.band(n), None)
         return self._lookup_plan(options[0], Bv) if options else None
 
     def weigh_model_free(self, n: int, band: Band, rate_to_beat: float) -> Plan | None:
-        """The model-free proposers' best step if it promises more than rate_to_beat tokens/s (`Planner.lookup`);
+        """The proposers' best option if it promises more than rate_to_beat tokens/s (`Planner.lookup`);
         it needs a match in every row that sets when the batch drains (`critical_rows`)."""
         critical = critical_rows(self.slots[:n], self.B, bool(self.waiting))
         options = self._options(n, band, critical)
@@ -331,24 +345,12 @@ class Engine:
         """Seed the cost model with the measured forwards the planner prices (`profiling.profile`)."""
         return profiling.profile(self, context, rounds, timer)
 
-    def _preempt(self, req: Request) -> None:
-        """Give up a running request's row: it goes to the front of the queue with the tokens it has made, and its
-        next admission prefills prompt + tokens (as after `recover`; a sampled one keeps its generator)."""
-        self._release(self.slots.index(req))
-        self.waiting.appendleft(req)
-        self.stats.preempted += 1
-
-    def _admit(self) -> list[tuple[Request, list[int]]]:
-        """Prefill the requests the scheduler takes (`scheduler.schedule`: fair between groups, preempting rows for
-        a group that holds none) into free rows (longest first) -> (request, [its next token]) each. A request that
-        comes back from `recover` or a preemption prefills its prompt and the tokens it had made, and goes on from
-        there."""
-        admission = schedule(self.waiting, self.slots, self.config.max_batch, self.admit_limit)
-        for req in admission.preempt:
-            self._preempt(req)
-        for req in admission.admit:
-            self.waiting.remove(req)
-        new = admission.admit
+    def _admit(self, limit: int | None) -> list[RequestDelta]:
+        """Prefill the requests the scheduler takes (`Scheduler.admit`: fair between groups, preempting rows for a
+        group that holds none; at most `limit`) into free rows (longest first) -> their deltas (each its next
+        token). A request that comes back from `recover` or a preemption prefills its prompt and the tokens it had
+        made, and goes on from there (a sampled one keeps its generator)."""
+        new, self.stats.preempted = self.scheduler.admit(limit, self._move_row)
         if not new:
             return []
         new.sort(key=lambda r: -(len(r.prompt) + len(r.tokens)))
@@ -369,7 +371,7 @@ class Engine:
         self.state.bonus[rows] = first
         self.state.ndrafts[rows] = 0
         logprobs = emitted_logprobs(logits, new, first[:, None])
-        return [(req, req.emit([tok], logprobs.get(i))) for i, (req, tok) in enumerate(zip(new, first.tolist()))]
+        return [req.emit([tok], logprobs.get(i)) for i, (req, tok) in enumerate(zip(new, first.tolist()))]
 
     def recover(self) -> Recovery:
         """After a step that raised: every request in a row goes back to the front of the waiting queue (one that
@@ -378,28 +380,22 @@ class Engine:
         tokens undelivered), and the requests the failed step was admitting. A re-queued request's next
         admission prefills prompt + tokens, so it goes on where it stood; the failed step's cache writes, drafts
         and plans are dropped. Greedy outputs are unchanged by this; sampled ones keep their generator's stream."""
-        back = list(self.slots)
-        self.slots.clear()
+        back = self.scheduler.requeue()
         self.cache.lens.zero_()
         self.state.ndrafts.zero_()
         self.planner.forget_plans()
-        for req in reversed(back):
-            if req.finish_reason is None:
-                self.waiting.appendleft(req)
-            else:
-                self.finished[req.id] = req
-        requests = (*back, *self.finished.values())
+        finished = self.scheduler.finished
+        requests = (*back, *finished.values())
         tokens = {req.id: list(req.tokens) for req in requests}
         logprobs = {req.id: list(req.logprobs) for req in requests if req.logprobs is not None}
-        return Recovery(tokens, list(self.finished), list(self.stats.admitted_ids), logprobs)
+        return Recovery(tokens, list(finished), list(self.stats.admitted_ids), logprobs, self.scheduler.ids()[1])
 
     # ---------------------------------------------------------------- verification
 
-    def verify(self, plan: Plan, drafts: Drafts, caps: torch.Tensor,
-               batch: SamplingBatch) -> list[tuple[Request, list[int]]]:
+    def verify(self, plan: Plan, drafts: Drafts, caps: torch.Tensor, batch: SamplingBatch) -> list[RequestDelta]:
         """One target forward over [bonus, nodes] of rows 0..n-1 (a parallel plan: the most probable branches ride
         along, `branch_anchors`), the rejection sampler over at most caps [n] drafts per row, the accepted path
-        committed -> (request, its emitted tokens) per row; a parallel step's matched branches become the rows' next
+        committed -> each row's delta; a parallel step's matched branches become the rows' next
         drafts. The sampler judges against the logits as each request's penalties make them (`options.processed`)."""
         n = drafts.rows
         lens = self.cache.lens[:n].clone()
@@ -408,22 +404,25 @@ class Engine:
             band = self.band(n)
             anchors = branch_anchors(drafts.probs, band.rho, band.top_m, plan.branches)  # [n, m]
             self.stats.branches = float(anchors.shape[1])
-        logits, hb = self.verifier.forward(drafts, lens, anchors)
+        logits, h, hb = self.verifier.forward(drafts, lens, anchors)
         verdict = rejection_sample(processed(logits, self.slots[:n], drafts), drafts, caps, batch)
         out = self._commit(lens, drafts, verdict, caps, plan.block, logits)
+        verified = Verified(self.slots[:n], plan, drafts, verdict, h, logits)
         if hb is not None:
-            misses = self.proposer.take_branches(hb, anchors, verdict.accepted, verdict.bonus, self.slots, batch,
-                                                 self.config.calibrate, self._parallel_may_follow(n))
+            misses = self.proposer.take_branches(verified, hb, anchors, batch, self.config.calibrate,
+                                                 self._parallel_may_follow(n))
             self.stats.pruned_misses = misses
             self.pruned_misses += misses
+        for p in self.proposers:
+            p.after_verify(verified)
         return out
 
     def _commit(self, lens: torch.Tensor, drafts: Drafts, verdict: Verdict, caps: torch.Tensor,
-                block: int, logits: torch.Tensor) -> list[tuple[Request, list[int]]]:
+                block: int, logits: torch.Tensor) -> list[RequestDelta]:
         """After a verify of rows 0..n-1 (old lengths lens [n], logits [n, N + 1, V]): the accepted path's
         keys/values sit where a chain's would (a tree's are moved there), the cache keeps each row's bonus and
         accepted drafts, the new bonus waits for the next step, and the row emits drafts + bonus (with their
-        logprobs where asked) -> (request, emitted tokens) per row."""
+        logprobs where asked) -> each row's delta."""
         n, accepted = drafts.rows, verdict.accepted
         path, src = drafts.tokens, None  # src [n, Bv]: the verify index of each path node (a chain: 1..N)
         if not drafts.chain:
@@ -438,36 +437,19 @@ class Engine:
         path, bonus, out = path.tolist(), verdict.bonus.tolist(), []
         for r in range(n):
             req = self.slots[r]
-            mode = self.stats.mode if kinds[r] is not None else Mode.AR.value
+            mode = self.stats.kind if kinds[r] is not None else Mode.AR.value
             req.forwards += 1
             req.modes[mode] = req.modes.get(mode, 0) + 1
             if mode != Mode.AR:
                 req.accepted.append(acc[r])
             lp = logprobs.get(r)
-            out.append((req, req.emit(path[r][: acc[r]] + [bonus[r]], lp[: acc[r] + 1] if lp else None)))
+            out.append(req.emit(path[r][: acc[r]] + [bonus[r]], lp[: acc[r] + 1] if lp else None))
         return out
 
-    def _retire(self) -> None:
-        """Remove finished rows; the last row moves into each freed row (a copy of its cached prefix)."""
-        r = 0
-        while r < len(self.slots):
-            req = self.slots[r]
-            if req.finish_reason is None:
-                r += 1
-                continue
-            self.finished[req.id] = req
-            if req.finish_reason != "abort":
-                self._done.append(req.id)
-            self._release(r)
-
-    def _release(self, r: int) -> None:
-        """Free row r: the last row moves into it (a copy of its cached prefix)."""
-        last = len(self.slots) - 1
-        if r != last:
-            self.cache.copy_row(last, r)
-            self.state.move(last, r)
-            self.slots[r] = self.slots[last]
-        self.slots.pop()
+    def _move_row(self, src: int, dst: int) -> None:
+        """Row src's cached prefix and state into row dst (the scheduler fills a freed row with the last one)."""
+        self.cache.copy_row(src, dst)
+        self.state.move(src, dst)
 
     # ---------------------------------------------------------------- convenience
 

@@ -1,34 +1,26 @@
 """Where drafts come from. Every proposer's drafts reach the verifier as one `Drafts` value. As vLLM's proposers:
 `DrafterProposer` (the drafter over the target's cache: sequential chains, token trees of each slot's top
-candidates, and the branch of a parallel step that matched) and the model-free ones (`ModelFreeProposer`:
-`LookupProposer`'s prompt lookup and n-gram store, or any a caller adds), whose `Chains` the planner weighs
+candidates, and the branch of a parallel step that matched) and the `Proposer`s (engine/proposer_api.py:
+`LookupProposer`'s prompt lookup and n-gram store, and any a config names), whose `Chains` the planner weighs
 against the drafter's plans each step and cuts to the drafts a step verifies. `rows` are cache rows; `slots[r]`
 is row r's `Request`.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
 
 import torch
 
 from flexdraft.drafter.model import Drafter
+from flexdraft.engine.proposer_api import Proposer, Verified
 from flexdraft.engine.state import Request, RowState
 from flexdraft.models.transformer import Transformer
+from flexdraft.speculative.branches import rate_for
 from flexdraft.speculative.drafts import PARALLEL, SEQUENTIAL, TREE, Chains, DraftKind, Drafts, Mode, Plan
-from flexdraft.speculative.lookup import NgramStore
+from flexdraft.speculative.lookup import PRIOR_ACCEPTED, STORE_PRIOR_ACCEPTED, NgramStore
 from flexdraft.speculative.policy_file import Band
 from flexdraft.speculative.sampling import SamplingBatch, argmax_tokens, top_logprobs
 from flexdraft.speculative.trees import draft_tree, tree_tokens
-
-
-class ModelFreeProposer(Protocol):
-    """A draft source without a model forward (its drafts cost only their verification). Adding one to an engine
-    (`Engine(..., proposers=[...])`) is all it takes for adaptive and lookup steps to weigh its drafts."""
-
-    def options(self, requests: list[Request], band: Band, first: list[int] | None) -> list[Chains]:
-        """Candidate drafts for the rows of `requests` (the planner verifies at most one of them); [] when no row
-        has any, or as soon as a row in `first` has none. A request with `max_draft_tokens` 0 gets none."""
 
 
 class DrafterProposer:
@@ -101,13 +93,13 @@ class DrafterProposer:
         state.ndrafts[rows] = Bv
         state.from_branch[rows] = from_branch
 
-    def take_branches(self, hb: torch.Tensor, anchors: torch.Tensor, accepted: torch.Tensor, new_bonus: torch.Tensor,
-                      slots: list[Request], batch: SamplingBatch, calibrate: bool, confidences: bool) -> int:
-        """hb [n, m, Bv+1, d] of a parallel step: the branch whose anchor equals the accepted length becomes the
-        row's drafts (calibrated with the bonus); rows whose branch was pruned draft sequentially next step
-        -> how many rows missed."""
-        Bv = hb.shape[2] - 1
-        hit = anchors == accepted[:, None]  # [n, m]
+    def take_branches(self, verified: Verified, hb: torch.Tensor, anchors: torch.Tensor, batch: SamplingBatch,
+                      calibrate: bool, confidences: bool) -> int:
+        """After a parallel step's verify, hb [n, m, Bv+1, d] its branches' hidden states: the branch whose anchor
+        equals the accepted length becomes the row's drafts (calibrated with the bonus); rows whose branch was
+        pruned draft sequentially next step -> how many rows missed."""
+        Bv, new_bonus, slots = hb.shape[2] - 1, verified.verdict.bonus, verified.requests
+        hit = anchors == verified.verdict.accepted[:, None]  # [n, m]
         rows = hit.any(-1).nonzero().squeeze(-1)
         if rows.numel():
             branch = hit[rows].float().argmax(-1)
@@ -119,14 +111,25 @@ class DrafterProposer:
         return anchors.shape[0] - rows.numel()
 
 
-class LookupProposer:
+class LookupProposer(Proposer):
     """Prompt-lookup drafts (the tokens that followed the latest earlier occurrence of a row's last n tokens,
     `NgramIndex`) and, with a store, the store's chain beside them. Options: the prompt's and the store's chains
     together (a trie where they differ), and with a store the prompt's alone too: a trie of two chains verifies up
     to twice the tokens, which at 4-16 rows costs more than the store's chains add."""
 
+    name = "lookup"
+
     def __init__(self, block: int, store: NgramStore | None):
         self.B, self.store = block, store
+
+    def scratch_slots(self, block: int) -> int:
+        return 2 * block + 1 if self.store is not None else block + 1  # (with a store: a trie of two chains)
+
+    def acceptance_rate(self, kind: DraftKind) -> float | None:
+        """A rate whose expected accepted of 8 drafts is what drafts of the n-gram size behind them accepted
+        (`lookup.PRIOR_ACCEPTED`, `STORE_PRIOR_ACCEPTED`)."""
+        prior = {"lookup": PRIOR_ACCEPTED, "store": STORE_PRIOR_ACCEPTED}.get(kind.source)
+        return rate_for(prior[min(max(kind.size, min(prior)), max(prior))], 8) if prior else None
 
     def options(self, requests: list[Request], band: Band, first: list[int] | None = None) -> list[Chains]:
         """From n-grams of up to band.lookup tokens; the rows in `first` are looked up first (16 rows: ~1 ms a

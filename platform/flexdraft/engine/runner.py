@@ -165,9 +165,9 @@ def load_engine(model: str, runtime: RuntimeConfig, drafter_spec: str | None, cf
                 mode_given: bool = True, store_spec: str | None = None,
                 policy_spec: str | None = None) -> tuple[LoadedModel, Engine, str, dict[str, str]]:
     """-> (model, ready engine, a note saying which drafter, policy, n-gram store, mode and runtime, and where the
-    engine's drafter and policy came from: `provenance` + the policy's file or models:/ URI; {} for an engine
-    without a drafter). Without an explicit mode: adaptive when a drafter is available, else AR. policy_spec: a
-    policy file (`policy_file`) or the models:/ URI of a version with one attached."""
+    engine's drafts come from: `provenance` + the policy's file or models:/ URI for an engine with a drafter, and
+    the proposers beside prompt lookup by name). Without an explicit mode: adaptive when a drafter is available,
+    else AR. policy_spec: a policy file (`policy_file`) or the models:/ URI of a version with one attached."""
     lm = load_model(model, runtime)
     required = (cfg.mode not in NO_DRAFTER and mode_given) or bool(policy_spec)
     choice = resolve_drafter(drafter_spec, lm.model, required=required)
@@ -185,4 +185,7 @@ def load_engine(model: str, runtime: RuntimeConfig, drafter_spec: str | None, cf
                         f"prepacked {m.lm_head.packed is not None}]")
     engine = build_engine(lm, choice, cfg, store, policy)
     where = {**provenance(choice), **({"policy": policy_spec} if policy else {})} if engine.drafter is not None else {}
+    named = [p.name for p in engine.proposers if p.name != "lookup"]
+    if named:
+        where["proposers"] = ", ".join(named)
     return lm, engine, note, where

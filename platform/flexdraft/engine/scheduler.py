@@ -1,12 +1,14 @@
-"""Which waiting requests a step admits, and which running requests give up their rows for them: the batch's rows
-shared fairly between the groups (clients) that sent the requests, so that one client's many requests or n / best_of
+"""The engine's requests and their rows (`Scheduler`: the waiting queue, admission, retirement), and which waiting
+requests a step admits and which running ones give up their rows for them (`schedule`): the batch's rows shared
+fairly between the groups (clients) that sent the requests, so that one client's many requests or n / best_of
 choices cannot keep another client waiting for as long as they decode."""
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Sequence
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from flexdraft.core.errors import FlexDraftError
 from flexdraft.engine.state import Request
 
 
@@ -46,3 +48,87 @@ def schedule(waiting: Sequence[Request], running: Sequence[Request], rows: int, 
         held[req.group] += 1
         admit.append(req)
     return Admission(preempt, admit)
+
+
+class Scheduler:
+    """The engine's requests by where they stand: `waiting` (in queue order), `running` (running[r] holds cache row
+    r: rows stay contiguous) and `finished` (until `result` hands each over once). Rows are the engine's: every
+    call that frees one takes `move(src, dst)`, which moves row src's cache and state into row dst (the last row
+    fills a freed one)."""
+
+    def __init__(self, rows: int):
+        self.rows = rows
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.finished: dict[int, Request] = {}
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def admit(self, limit: int | None, move: Callable[[int, int], None]) -> tuple[list[Request], int]:
+        """This step's admissions (`schedule`: fair between groups, at most `limit`), the running requests they
+        preempt put back at the front of the queue with the tokens they have made -> (the admitted requests, now
+        running from row len(running) - len(admitted) on, longest first; how many were preempted)."""
+        admission = schedule(self.waiting, self.running, self.rows, limit)
+        for req in admission.preempt:
+            self.release(self.running.index(req), move)
+            self.waiting.appendleft(req)
+        for req in admission.admit:
+            self.waiting.remove(req)
+        return admission.admit, len(admission.preempt)
+
+    def retire(self, move: Callable[[int, int], None]) -> None:
+        """Running requests that finished (or were aborted) leave their rows for `finished`."""
+        r = 0
+        while r < len(self.running):
+            req = self.running[r]
+            if req.finish_reason is None:
+                r += 1
+                continue
+            self.finished[req.id] = req
+            self.release(r, move)
+
+    def release(self, r: int, move: Callable[[int, int], None]) -> None:
+        """Free row r: the last row moves into it."""
+        last = len(self.running) - 1
+        if r != last:
+            move(last, r)
+            self.running[r] = self.running[last]
+        self.running.pop()
+
+    def abort(self, request_id: int, move: Callable[[int, int], None]) -> None:
+        """End a waiting or running request (finish_reason "abort"); the other rows are untouched."""
+        for req in self.waiting:
+            if req.id == request_id:
+                self.waiting.remove(req)
+                req.finish_reason = "abort"
+                self.finished[req.id] = req
+                return
+        for req in self.running:
+            if req.id == request_id:
+                req.finish_reason = "abort"
+                self.retire(move)
+                return
+        raise FlexDraftError(f"no running or waiting request with id {request_id}")
+
+    def result(self, request_id: int) -> Request:
+        """The finished (or aborted) request, handed over once."""
+        if request_id not in self.finished:
+            raise FlexDraftError(f"request {request_id} is not finished (or unknown)")
+        return self.finished.pop(request_id)
+
+    def requeue(self) -> list[Request]:
+        """After a step that raised: every running request back to the front of the queue (one that had finished, to
+        `finished`), no row held -> those requests, as they stood in rows."""
+        back = list(self.running)
+        self.running.clear()
+        for req in reversed(back):
+            if req.finish_reason is None:
+                self.waiting.appendleft(req)
+            else:
+                self.finished[req.id] = req
+        return back
+
+    def ids(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(running, waiting) request ids, in row and queue order."""
+        return tuple(r.id for r in self.running), tuple(r.id for r in self.waiting)

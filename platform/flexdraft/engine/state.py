@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from flexdraft.engine.stats import RequestDelta
 from flexdraft.speculative.branches import AcceptanceModel
 from flexdraft.speculative.grammar import Matcher
 from flexdraft.speculative.lookup import NgramIndex
@@ -60,9 +61,9 @@ class Request:
     error: str | None = None  # why it ended with finish_reason "error" (its grammar could not go on)
     group: object = None  # who sent it (a client): rows are shared fairly between groups (`scheduler.schedule`)
 
-    def emit(self, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> list[int]:
+    def emit(self, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> RequestDelta:
         """Append tokens (and their logprobs, when the request asks), cut at a stop token or max_new_tokens -> the
-        tokens kept (the request finishes there)."""
+        step's delta of the request: the tokens kept, their logprobs, and why it finished there (if it did)."""
         room = self.params.max_new_tokens - len(self.tokens)
         emitted = []
         for t in tokens[:room]:
@@ -76,13 +77,15 @@ class Request:
             if self.matcher.error is not None:  # (the EOS its error state allowed is not a finished answer)
                 self.finish_reason = "error"
                 self.error = f"the grammar failed after {len(self.tokens)} tokens: {self.matcher.error}"
+        kept = None
         if self.logprobs is not None:
-            self.logprobs.extend(logprobs[: len(emitted)])
+            kept = tuple(logprobs[: len(emitted)])
+            self.logprobs.extend(kept)
         if self.index is not None:
             self.index.extend(emitted)
         if self.finish_reason is None and len(self.tokens) >= self.params.max_new_tokens:
             self.finish_reason = "length"
-        return emitted
+        return RequestDelta(self.id, tuple(emitted), kept, self.finish_reason)
 
     def generation(self) -> Generation:
         """What a finished request reports: its tokens, tau (tokens per target forward, the prefill's token not

@@ -1,6 +1,6 @@
-"""What crosses the engine's boundary about its steps: what `Engine.step` returns (`StepOutput`: new tokens per
-request, the requests it finished, its `StepStats`), and `SpecDecodingStats`, the running counts a server or
-benchmark keeps (in the shape of vLLM's `SpecDecodingStats`: drafts, draft tokens,
+"""What crosses the engine's boundary about its steps: what `Engine.step` returns (`StepOutput`: one
+`RequestDelta` per request that made tokens, its `StepStats`, the queue), and `SpecDecodingStats`, the running
+counts a server or benchmark keeps (in the shape of vLLM's `SpecDecodingStats`: drafts, draft tokens,
 accepted tokens, accepted tokens per draft position; plus steps by mode)."""
 from __future__ import annotations
 
@@ -17,8 +17,9 @@ NOT_DECODING = (IDLE, PREFILL, PROFILE)
 
 @dataclass
 class StepStats:
-    mode: str  # a Mode's value (ar | sequential | tree | parallel | lookup), or one of NOT_DECODING
+    mode: Mode | str  # a Mode (ar | sequential | tree | parallel | lookup), or one of NOT_DECODING
     rows: int  # rows decoded this step (after admission)
+    proposer: str = ""  # a lookup step's: the `Proposer` whose drafts it verified (its name)
     admitted: int = 0
     admitted_ids: list[int] = field(default_factory=list)  # the requests prefilled this step
     preempted: int = 0  # rows given up this step to a waiting client that held none (`Engine._schedule`)
@@ -32,20 +33,41 @@ class StepStats:
     forward_seconds: dict = field(default_factory=dict)  # prefill / draft / target / parallel
 
     @property
+    def kind(self) -> str:
+        """What mode shares count the step as: its mode, or for a lookup step the proposer that drafted it."""
+        return self.proposer if self.mode == Mode.LOOKUP and self.proposer else str(self.mode)
+
+    @property
     def speculative(self) -> bool:
         """Whether the step verified drafts (an AR, idle or profile step did not)."""
         return self.mode != Mode.AR and self.mode not in NOT_DECODING and bool(self.accepted)
 
 
-@dataclass
+@dataclass(frozen=True)
+class RequestDelta:
+    """What one step made of one request, handed unchanged from the engine to the request's stream reader: its new
+    token ids (a request admitted this step: its first), their logprobs (one per token; None: not asked for), and
+    the reason it finished at this step (eos | length | error; None: it goes on; `Engine.result` then hands its
+    generation over once)."""
+    id: int
+    tokens: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    finish_reason: str | None = None
+
+
+@dataclass(frozen=True)
 class StepOutput:
-    """One step's result: tokens[id] = the request's new token ids (a request admitted this step: its first);
-    finished = the requests that ended this step (EOS or length; `Engine.result` hands each over once);
-    logprobs[id] = one per new token, for the requests that ask for them."""
-    tokens: dict[int, list[int]]
-    finished: list[int]
+    """One step's result: a delta per request that made tokens, the step's stats, and the queue after it (the ids
+    of the requests in rows and of those waiting, in order)."""
+    deltas: tuple[RequestDelta, ...]
     stats: StepStats
-    logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)
+    running: tuple[int, ...] = ()
+    waiting: tuple[int, ...] = ()
+
+    @property
+    def finished(self) -> list[int]:
+        """The requests that ended at this step."""
+        return [d.id for d in self.deltas if d.finish_reason is not None]
 
 
 @dataclass
@@ -53,11 +75,12 @@ class Recovery:
     """What `Engine.recover` hands back after a step that raised: tokens[id] = every token each request in a row
     (or finished and not yet collected) has made, the requests among them that are finished (`Engine.result`
     hands each over once), and the requests the failed step was admitting; logprobs[id] one per token, for the
-    requests that ask for them."""
+    requests that ask for them; waiting: the queue after it (ids, in order)."""
     tokens: dict[int, list[int]]
     finished: list[int]
     admitted: list[int]
     logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)
+    waiting: tuple[int, ...] = ()
 
 
 COUNTS = ("num_steps", "num_rows", "num_tokens", "num_drafts", "num_draft_tokens", "num_accepted_tokens")
@@ -75,13 +98,13 @@ class SpecDecodingStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
-    steps_by_mode: dict[Mode, int] = field(default_factory=dict)
+    steps_by_mode: dict[str, int] = field(default_factory=dict)  # by `StepStats.kind` (a proposer: its name)
 
     @staticmethod
     def of_step(step: StepStats) -> SpecDecodingStats:
         s = SpecDecodingStats(num_steps=1, num_rows=step.rows, num_tokens=step.tokens)
         if step.mode not in NOT_DECODING:
-            s.steps_by_mode = {Mode(step.mode): 1}
+            s.steps_by_mode = {step.kind: 1}
         if step.speculative:
             acc = step.accepted
             s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens = len(acc), len(acc) * step.block, sum(acc)

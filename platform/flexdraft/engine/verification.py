@@ -24,9 +24,9 @@ class Verifier:
         self.target, self.drafter, self.cache, self.state, self.timed = target, drafter, cache, state, timed
 
     def forward(self, drafts: Drafts, lens: torch.Tensor, anchors: torch.Tensor | None):
-        """-> logits [n, N + 1, V] at [bonus, nodes], and the branches' hidden states [n, m, N + 1, d] (anchors
-        [n, m] given: a parallel step) or None. A chain is a plain causal forward; a tree's node i goes to cache
-        slot lens + i + 1 and sees the row's prefix and its own path."""
+        """-> logits [n, N + 1, V] at [bonus, nodes], the target's last hidden states there [n, N + 1, d], and the
+        branches' hidden states [n, m, N + 1, d] (anchors [n, m] given: a parallel step) or None. A chain is a plain
+        causal forward; a tree's node i goes to cache slot lens + i + 1 and sees the row's prefix and its own path."""
         n, N, dev = drafts.rows, drafts.nodes, self.target.device
         tokens = torch.cat((self.state.bonus[:n, None], drafts.tokens), dim=1)  # [n, N + 1]
         view = self.cache.rows(0, n)
@@ -35,14 +35,14 @@ class Verifier:
             if anchors is not None:
                 return self.timed("parallel", lambda: self.parallel_logits(tokens, pos, view, anchors), n,
                                   (N + 1) * (1 + anchors.shape[1]))
-            return self.timed("target", lambda: self.target_logits(tokens, pos, view), n, N + 1), None
+            return *self.timed("target", lambda: self.target_logits(tokens, pos, view), n, N + 1), None
         pos = lens[:, None] + torch.cat((drafts.depth.new_zeros(n, 1), drafts.depth), dim=1)
         slots = lens[:, None] + torch.arange(N + 1, device=dev)
         span = int(lens.max()) + N + 1
         mask = tree_mask(drafts.ancestors, lens, span)  # [n, N + 1, span]
-        logits = self.timed("target", lambda: self.target.logits(
-            self.target(tokens, pos, view, mask=mask, span=span, slots=slots)), n, N + 1)
-        return logits, None
+        logits, h = self.timed("target", lambda: self.target_logits(tokens, pos, view, mask=mask, span=span,
+                                                                     slots=slots), n, N + 1)
+        return logits, h, None
 
     def move_path(self, lens: torch.Tensor, drafts: Drafts, verdict: Verdict) -> tuple[torch.Tensor, torch.Tensor]:
         """A verified tree's accepted path: its nodes' keys/values moved from their slots lens + 1 + i to lens + 1..
@@ -58,11 +58,13 @@ class Verifier:
         tokens = torch.cat((self.state.bonus[:n, None], drafts.tokens), dim=1)
         return tokens.gather(1, src.clamp(max=drafts.nodes)), src
 
-    def target_logits(self, tokens, pos, cache) -> torch.Tensor:
-        """[n, T] tokens -> [n, T, V] logits (the LM head is timed with the forward: at batch 1 it is ~15%)."""
-        return self.target.logits(self.target(tokens, pos, cache))
+    def target_logits(self, tokens, pos, cache, **tree) -> tuple[torch.Tensor, torch.Tensor]:
+        """[n, T] tokens -> [n, T, V] logits and [n, T, d] hidden states (the LM head is timed with the forward: at
+        batch 1 it is ~15%). tree: a token tree's mask, span and slots (`Transformer.forward`)."""
+        h = self.target(tokens, pos, cache, **tree)
+        return self.target.logits(h), h
 
     def parallel_logits(self, tokens, pos, cache, anchors):
-        """-> clean logits [n, T, V], branch hidden states [n, m, T, d]."""
+        """-> clean logits [n, T, V], their hidden states [n, T, d], branch hidden states [n, m, T, d]."""
         h, hb = parallel_forward(self.target, self.drafter, tokens, pos, cache, anchors)
-        return self.target.logits(h), hb
+        return self.target.logits(h), h, hb

@@ -76,6 +76,9 @@ class HarnessConfig:
     # EngineConfig settings for every engine method (switch_batch, tree_nodes, rho, lookup, ...; defaults: the
     # engine's); each method's own settings win (its mode, parallel-pruned's top_m)
     engine: dict = field(default_factory=dict)
+    # draft sources by name (EngineConfig.proposers: registered, an entry point, or module:attribute) -> settings:
+    # each is a method of its own, named as here (lookup steps over its drafts alone, AR where none match)
+    proposers: dict = field(default_factory=dict)
     prompt_lookup_tokens: int = 10
     # policy files from `flexdraft sweep`, each an engine method of its own: {method name: file}; a name not in
     # `methods` is added to them (e.g. {tuned: ~/.flexdraft/sweeps/<name>/policy.yaml} beside `adaptive`)
@@ -103,11 +106,12 @@ class HarnessConfig:
             params.grammar.compiled()  # (an invalid json_schema, named)
         if self.all_branches_max_batch < 0:
             raise FlexDraftError(f"all_branches_max_batch must be >= 0 (0 = no limit), got {self.all_branches_max_batch}")
-        clash = sorted(set(self.policies) & set(METHODS))
+        clash = sorted((set(self.policies) | set(self.proposers)) & set(METHODS)) or \
+            sorted(set(self.policies) & set(self.proposers))
         if clash:
-            raise FlexDraftError(f"policies: {clash[0]} is a built-in method's name: name the policy otherwise")
-        self.methods += [name for name in self.policies if name not in self.methods]
-        unknown = [m for m in self.methods if m not in METHODS and m not in self.policies]
+            raise FlexDraftError(f"{clash[0]} names a built-in method, a policy or a proposer twice: name it otherwise")
+        self.methods += [name for name in (*self.policies, *self.proposers) if name not in self.methods]
+        unknown = [m for m in self.methods if m not in METHODS and m not in self.policies and m not in self.proposers]
         if unknown:
             raise FlexDraftError(f"unknown method(s) {', '.join(unknown)}: choose from {', '.join(METHODS)} or name "
                                  "a policy file under `policies`")
@@ -123,6 +127,10 @@ class HarnessConfig:
             raise FlexDraftError(f"no available dataset among {self.datasets}: use some of {', '.join(BENCH_DATASETS)}")
 
     def method(self, name: str) -> Method:
+        if name in self.proposers:
+            settings = {name: self.proposers[name] or {}}
+            return Method("engine", (("mode", "lookup"), ("lookup", 0), ("proposers", settings)),
+                          f"the proposer {name}'s drafts alone", store=False)
         if name in self.policies:
             return Method("engine", (("mode", "adaptive"),), f"the policy file {self.policies[name]}",
                           policy=str(self.policies[name]))
@@ -212,9 +220,10 @@ def lockstep(engines: dict[str, Engine], prompts: list[list[int]], params: Sampl
             r = res[name]
             r["seconds"] += time.perf_counter() - t0
             if s.mode not in NOT_DECODING:  # the shares are of decoding steps
-                plan = s.mode + (f"/B{s.block}" if s.block else "") + (f"/m{s.branches:g}" if s.mode == Mode.PARALLEL else "")
+                plan = s.kind + (f"/B{s.block}" if s.block else "") + \
+                    (f"/m{s.branches:g}" if s.mode == Mode.PARALLEL else "")
                 r["plans"][plan] = r["plans"].get(plan, 0) + 1
-                r["modes"][s.mode] = r["modes"].get(s.mode, 0) + 1
+                r["modes"][s.kind] = r["modes"].get(s.kind, 0) + 1
             for k, v in s.forward_seconds.items():
                 r["forward"][k] = r["forward"].get(k, 0.0) + v
             r["accepted"] += s.accepted
@@ -329,7 +338,7 @@ def step_profile(engine: Engine, prompt: list[int], steps: int = 5, rows: int = 
         for _ in range(steps):
             s = engine.step().stats
             seconds += s.seconds
-            plans.add(f"{s.mode}/B{s.block}/m{s.branches:g}")
+            plans.add(f"{s.kind}/B{s.block}/m{s.branches:g}")
             for k, v in s.forward_seconds.items():
                 forward[k] = forward.get(k, 0.0) + v
     engine.abort(rid)

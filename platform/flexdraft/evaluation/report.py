@@ -92,7 +92,8 @@ def report(results: dict) -> str:
              "draw for draw); the engine's tests check that speculative sampling keeps the target's distribution."]
     lines.append("* Datasets: " + "; ".join(f"`{d}` ({BENCH_DATASETS[d].title}, package {BENCH_DATASETS[d].source})"
                                            for d in cfg["datasets"] if d in BENCH_DATASETS) + ".")
-    about = {m: METHODS[m].about if m in METHODS else f"the policy file {cfg['policies'][m]}" for m in cfg["methods"]}
+    about = {m: METHODS[m].about if m in METHODS else f"the policy file {cfg['policies'][m]}"
+             if m in cfg.get("policies", {}) else f"the proposer {m}'s drafts alone" for m in cfg["methods"]}
     lines.append("* Methods: " + "; ".join(f"`{m}` ({about[m]})" for m in cfg["methods"]) + ".")
     if results["unavailable"]:
         lines.append("* Not run, nothing substituted: " + "; ".join(f"{d} ({why})" for d, why in

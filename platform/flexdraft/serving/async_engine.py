@@ -19,7 +19,7 @@ import torch
 from flexdraft.core import logs
 from flexdraft.core.errors import FlexDraftError
 from flexdraft.engine.engine import Engine
-from flexdraft.engine.stats import SpecDecodingStats, StepOutput, StepStats
+from flexdraft.engine.stats import RequestDelta, SpecDecodingStats, StepOutput, StepStats
 from flexdraft.speculative.sampling import Generation, SamplingParams, TokenLogprob
 
 
@@ -31,13 +31,20 @@ class EngineUnavailable(EngineFailed):
     """The engine is not taking requests: shut down, replaced by a reconfigure, or its loop died. Retry later."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class Chunk:
-    """One item of a request's stream: new token ids (with their logprobs, when the request asks), and on the
-    last one the finished generation."""
-    tokens: list[int]
+    """One item of a request's stream: the engine's delta of a step, as the step returned it, and on the last one
+    the finished generation."""
+    delta: RequestDelta
     finished: Generation | None = None
-    logprobs: list[TokenLogprob] | None = None
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        return self.delta.tokens
+
+    @property
+    def logprobs(self) -> tuple[TokenLogprob, ...] | None:
+        return self.delta.logprobs
 
 
 @dataclass
@@ -55,6 +62,12 @@ class _LoopKilled(BaseException):
 # after a failed step, a re-admitted request decodes this many steps alone before the next one joins
 PROBATION_STEPS = 2
 MAX_STRIKES = 3  # a request in this many failed steps without being singled out is ended (no endless retries)
+# ... and this many failed steps in a row that held no request to charge end the loop: the engine itself is broken
+# (the replica turns unhealthy and Serve replaces it), not one request
+
+
+class EngineBroken(RuntimeError):
+    """Steps keep failing with no request to blame: the loop ends (`AsyncEngine.death`)."""
 
 
 T = TypeVar("T")
@@ -88,7 +101,7 @@ def built_apart(build: Callable[[], T]) -> T:
 class AsyncEngine:
     """`async for chunk in engine.generate(prompt_ids, params)`: the request's tokens as the engine makes them.
     A caller that stops iterating or is cancelled at any await (a client gone before admission, mid-stream or
-    mid-step) aborts its request: its row and stream are freed at the next step. `on_step(stats, engine)` runs
+    mid-step) aborts its request: its row and stream are freed at the next step. `on_step(step_output)` runs
     on the engine thread after every step (metrics).
 
     The loop is supervised: an exception in a command, a callback or a step never ends it. A failed step's
@@ -99,7 +112,7 @@ class AsyncEngine:
     Its torch work runs on its own thread: build the engine with `built_apart`, so that no other thread keeps an
     OpenMP pool beside it."""
 
-    def __init__(self, engine: Engine, on_step: Callable[[StepStats, Engine], None] | None = None):
+    def __init__(self, engine: Engine, on_step: Callable[[StepOutput], None] | None = None):
         self.engine, self.on_step = engine, on_step
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -118,6 +131,10 @@ class AsyncEngine:
         self._strikes: dict[int, int] = {}  # request id -> failed steps it was in
         self._suspects: list[int] = []  # failed step's requests not yet re-admitted, in queue order
         self._probation: list = []  # [request id, steps left] of the request decoding alone after a failure
+        self._admit_limit: int | None = None  # admissions per step (1 while isolating a failure, 0 on probation)
+        self._futile = 0  # failed steps in a row that held no request (see EngineBroken)
+        self._running: tuple[int, ...] = ()  # the requests in rows and those waiting, as the last step left them
+        self._waiting: tuple[int, ...] = ()
         self._torch_threads = torch.get_num_threads()  # what the model was loaded for (RuntimeConfig.threads)
         self._thread = threading.Thread(target=self._run, name="flexdraft-engine", daemon=True)
         self._thread.start()
@@ -157,8 +174,8 @@ class AsyncEngine:
     def load(self) -> dict:
         """Rows decoding, requests waiting, open streams and failure counts (read without locking: a snapshot
         for metrics and health)."""
-        return {"alive": self.alive, "max_batch": self.engine.config.max_batch, "running": self.engine.active,
-                "waiting": len(self.engine.waiting),
+        return {"alive": self.alive, "max_batch": self.engine.config.max_batch, "running": len(self._running),
+                "waiting": len(self._waiting),
                 "streams": len(self._streams), "steps": self._stats.num_steps, "most_rows": self.most_rows,
                 "aborted": self.aborted, "failed_steps": self.failed_steps, "failed_requests": self.charged}
 
@@ -256,16 +273,17 @@ class AsyncEngine:
 
     def _step(self) -> None:
         try:
-            out: StepOutput = self.engine.step()
+            out: StepOutput = self.engine.step(self._admit_limit)
         except Exception as e:  # noqa: BLE001 - one bad step must not take the replica down
             self._recover(e)
             return
+        self._running, self._waiting, self._futile = out.running, out.waiting, 0
         self._probate(out.stats)
-        self._deliver(out.tokens, out.finished, out.logprobs)
+        self._deliver(out.deltas)
         self._count(out.stats)
         if self.on_step is not None:
             try:
-                self.on_step(out.stats, self.engine)
+                self.on_step(out)
             except Exception:  # noqa: BLE001 - metrics must not stop decoding
                 logs.get("serve").exception("on_step callback failed")
 
@@ -280,22 +298,28 @@ class AsyncEngine:
         except Exception:  # noqa: BLE001 - the engine cannot even put them back: end them all
             log.exception("engine recovery failed; ending every request")
             self._fail_all(EngineFailed(f"the engine failed while decoding: {type(error).__name__}: {error}"))
-            self.engine.waiting.clear()
+            self.engine.scheduler.waiting.clear()
             return
         moved = recovery.tokens
+        self._running, self._waiting = (), recovery.waiting
+        self._futile = 0 if moved or recovery.admitted else self._futile + 1
+        if self._futile >= MAX_STRIKES:
+            raise EngineBroken(f"{self._futile} steps in a row failed before any request was in them: "
+                               f"{type(error).__name__}: {error}")
         for rid, tokens in moved.items():  # tokens the failed step made before it raised are still valid
             stream = self._streams.get(rid)
             if stream is not None and len(tokens) > stream.sent:
                 logprobs = recovery.logprobs.get(rid)
-                self._put(stream, Chunk(tokens[stream.sent:], logprobs=logprobs[stream.sent:] if logprobs else None))
+                self._put(stream, Chunk(RequestDelta(rid, tuple(tokens[stream.sent:]),
+                                                     tuple(logprobs[stream.sent:]) if logprobs else None)))
                 stream.sent = len(tokens)
         # while isolating, the step's one newcomer (or the one on probation) is the only change to a batch that
         # decoded fine without it
-        probing = self.engine.admit_limit is not None
+        probing = self._admit_limit is not None
         admitted = recovery.admitted
         alone = admitted[0] if probing and len(admitted) == 1 else \
             self._probation[0] if self._probation and self._probation[0] in moved else None
-        waiting = {r.id for r in self.engine.waiting}
+        waiting = set(recovery.waiting)
         unfinished = [rid for rid in moved if rid in waiting]  # the failed step's requests still to decode
         if alone is not None:
             culprits = [alone]
@@ -310,26 +334,26 @@ class AsyncEngine:
         self._suspects = [rid for rid in unfinished if rid not in culprits] + \
             [rid for rid in self._suspects if rid in waiting and rid not in moved]
         self._probation = []
-        self.engine.admit_limit = 1 if self._suspects else None
-        self._deliver({}, recovery.finished)
+        self._admit_limit = 1 if self._suspects else None
+        for rid in recovery.finished:
+            self._finish(rid)
 
     def _probate(self, stats: StepStats) -> None:
         """After a good step: move the isolation after a failure along (see `_recover`)."""
         if self._probation:
             self._probation[1] -= 1
-            if self._probation[1] <= 0 or self._probation[0] not in {r.id for r in self.engine.slots}:
+            if self._probation[1] <= 0 or self._probation[0] not in self._running:
                 self._probation = []
         if self._suspects:  # (one whose caller left is no longer waiting)
-            waiting = {r.id for r in self.engine.waiting}
-            self._suspects = [rid for rid in self._suspects if rid in waiting or rid in stats.admitted_ids]
+            self._suspects = [rid for rid in self._suspects if rid in self._waiting or rid in stats.admitted_ids]
         for rid in stats.admitted_ids:
             if rid in self._suspects:
                 self._suspects.remove(rid)
                 self._probation = [rid, PROBATION_STEPS - 1]
         if self._probation:
-            self.engine.admit_limit = 0
+            self._admit_limit = 0
         else:
-            self.engine.admit_limit = 1 if self._suspects else None
+            self._admit_limit = 1 if self._suspects else None
             if not self._suspects:
                 self._strikes.clear()
 
@@ -413,16 +437,24 @@ class AsyncEngine:
         except Exception:  # noqa: BLE001 - the caller's event loop is closed: nobody is listening
             pass
 
-    def _deliver(self, tokens: dict[int, list[int]], finished: list[int], logprobs: dict | None = None) -> None:
-        """New tokens (and logprobs) to their streams; a finished request's stream gets its generation and closes."""
-        for request_id, new in tokens.items():
-            stream = self._streams.get(request_id)
-            if stream is not None and new:
-                stream.sent += len(new)
-                self._put(stream, Chunk(new, logprobs=(logprobs or {}).get(request_id)))
-        for request_id in finished:
-            if request_id in self._streams:
-                self._put(self._streams.pop(request_id), Chunk([], self.engine.result(request_id)))
+    def _deliver(self, deltas: tuple[RequestDelta, ...]) -> None:
+        """Each delta to its request's stream, unchanged; a finished request's with its generation (it closes)."""
+        for delta in deltas:
+            stream = self._streams.get(delta.id)
+            if stream is None:
+                continue
+            stream.sent += len(delta.tokens)
+            if delta.finish_reason is None:
+                self._put(stream, Chunk(delta))
+            else:
+                del self._streams[delta.id]
+                self._put(stream, Chunk(delta, self.engine.result(delta.id)))
+
+    def _finish(self, request_id: int) -> None:
+        """A request that finished before a failed step was recovered: its stream gets its generation and closes."""
+        if request_id in self._streams:
+            stream = self._streams.pop(request_id)
+            self._put(stream, Chunk(RequestDelta(request_id, ()), self.engine.result(request_id)))
 
     def _fail_all(self, error: Exception) -> None:
         for request_id in list(self._streams):

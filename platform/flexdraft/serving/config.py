@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field
 
 from flexdraft.core import logs
-from flexdraft.core.config import RuntimeConfig, from_dict
+from flexdraft.core.config import RuntimeConfig
 from flexdraft.core.errors import FlexDraftError
 from flexdraft.drafter.registry import is_model_uri
 from flexdraft.engine.config import EngineConfig
@@ -30,7 +30,7 @@ class ServeConfig:
     store: str = ""  # n-gram store of lookup steps: "" = the default pipeline's distilled data, a file, "none"
     served_model_name: str = ""  # the `model` clients name ("" = the model source's name)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
-    engine: dict = field(default_factory=dict)  # EngineConfig fields (mode, switch_batch, max_batch, ...)
+    engine: EngineConfig = field(default_factory=EngineConfig)  # (a config file's mapping of its fields)
     policy: str = ""  # a policy file from `flexdraft sweep`: it sets mode, S, B', pruning per live batch size
     default_max_tokens: int = 256  # new tokens of a request that names no max_tokens
     api_key_env: str = "FLEXDRAFT_API_KEY"  # when this variable is set, requests need `Authorization: Bearer <it>`
@@ -41,12 +41,16 @@ class ServeConfig:
     grammar_timeout_s: float = 5.0  # a response_format grammar that takes longer to compile is a 400
     insecure: bool = False  # serve beyond loopback without an API key (refused otherwise: fail closed)
 
-    def __post_init__(self):
-        self.engine_config()  # unknown engine keys and wrong types, named
-        both = [k for k in POLICY_KEYS if k in self.engine] if self.policy else []
+    @classmethod
+    def check_mapping(cls, data: dict) -> None:
+        """A user_config mapping's engine keys that its policy file sets are refused (`from_dict` calls this)."""
+        engine = data.get("engine") if isinstance(data.get("engine"), dict) else {}
+        both = [k for k in POLICY_KEYS if k in engine] if data.get("policy") else []
         if both:
-            raise FlexDraftError(f"user_config.engine.{both[0]} is set by the policy file {self.policy}: remove "
+            raise FlexDraftError(f"user_config.engine.{both[0]} is set by the policy file {data['policy']}: remove "
                                  f"{', '.join(both)} from engine (or the policy)")
+
+    def __post_init__(self):
 
         if self.drafter_version and not ("@" in self.drafter and is_model_uri(self.drafter)
                                          and self.drafter_version.isdigit()):
@@ -56,9 +60,6 @@ class ServeConfig:
                 or self.grammar_timeout_s <= 0:
             raise FlexDraftError("request_timeout_s and grammar_timeout_s must be > 0, drain_timeout_s >= 0 and "
                                  "max_body_bytes >= 1024")
-
-    def engine_config(self) -> EngineConfig:
-        return from_dict(EngineConfig, self.engine, ".engine")
 
     def needs_new_engine(self, other: ServeConfig) -> bool:
         """Whether going from `other` to this config changes more than the live knobs."""
@@ -95,13 +96,13 @@ def build(cfg: ServeConfig):
     where no row has a match; lossless and fast before anything is trained."""
     from flexdraft.engine.runner import load_engine
 
-    ec = cfg.engine_config()
+    ec = cfg.engine
     drafter = drafter_spec(cfg)
     if ec.mode == Mode.ADAPTIVE and not cfg.drafter and not cfg.policy:
         from flexdraft.drafter.recipe import default_drafter_dir
 
         if not (default_drafter_dir() / "drafter.json").is_file():
-            ec = dataclasses.replace(ec, mode=Mode.LOOKUP.value)
+            ec = dataclasses.replace(ec, mode=Mode.LOOKUP)
             logs.get("serve").info(f"no trained drafter ({default_drafter_dir()} does not exist): serving in lookup "
                                    "mode (prompt lookup + n-gram store, AR steps elsewhere); train one with "
                                    "`flexdraft pipeline`")
@@ -111,6 +112,6 @@ def build(cfg: ServeConfig):
 
 def apply_live(engine: Engine, cfg: ServeConfig) -> dict:
     """Set the live knobs of `cfg.engine` on a running engine (on its thread: `AsyncEngine.call`) -> the changes."""
-    new = cfg.engine_config()
+    new = cfg.engine
     knobs = [k for k in LIVE_KNOBS if engine.policy is None or k not in POLICY_KEYS]  # (a policy's are its own)
     return engine.reconfigure(**{k: getattr(new, k) for k in knobs})

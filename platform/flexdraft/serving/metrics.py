@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 
-from flexdraft.engine.stats import SpecDecodingStats
+from flexdraft.engine.stats import SpecDecodingStats, StepOutput
 
 
 class Metrics:
@@ -34,12 +34,13 @@ class Metrics:
         self.e2e = m.Histogram("flexdraft_e2e_request_latency_seconds", "End-to-end request latency",
                                boundaries=self.LATENCY_BUCKETS)
 
-    def on_step(self, stats, engine) -> None:
+    def on_step(self, out: StepOutput) -> None:
         """Engine thread, after every step."""
-        self.steps.inc(tags={"mode": stats.mode})
+        stats = out.stats
+        self.steps.inc(tags={"mode": stats.kind})
         self.batch.set(stats.rows)
-        self.running.set(engine.active)
-        self.waiting.set(len(engine.waiting))
+        self.running.set(len(out.running))
+        self.waiting.set(len(out.waiting))
         if stats.preempted:
             self.preemptions.inc(stats.preempted)
         if self.source is not None:

@@ -56,7 +56,7 @@ class MlflowReporter:
         if steps:
             metrics["serve/mean_batch"] = d.num_rows / steps
             for mode, n in d.steps_by_mode.items():
-                metrics[f"serve/mode_share/{mode.value}"] = n / steps
+                metrics[f"serve/mode_share/{mode}"] = n / steps
         if d.num_drafts:
             metrics["spec_decode/mean_accepted_length"] = d.mean_accepted_length
             metrics["spec_decode/draft_acceptance_rate"] = d.draft_acceptance_rate

@@ -170,7 +170,7 @@ def compile_grammar(req: Request, compiler) -> None:
     if req.params.grammar is None:
         return
     try:
-        req.params.grammar = compiler.compile(req.params.grammar)
+        req.params = dataclasses.replace(req.params, grammar=compiler.compile(req.params.grammar))
     except FlexDraftError as e:
         raise APIError(400, f"'response_format': {e}", "response_format", code="invalid_grammar") from None
 
@@ -408,7 +408,7 @@ def fit_to_engine(req: Request, engine) -> None:
                             "verify and branch slots)", "prompt", code="context_length_exceeded")
     if not req.max_tokens_given:
         room = engine.config.max_len - engine.slots_needed(len(req.prompt_ids), 0)
-        req.params.max_new_tokens = min(req.params.max_new_tokens, room)
+        req.params = dataclasses.replace(req.params, max_new_tokens=min(req.params.max_new_tokens, room))
     try:
         engine.check_request(req.prompt_ids, req.params)
     except ContextTooLong as e:

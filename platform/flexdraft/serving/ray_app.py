@@ -213,7 +213,8 @@ class FlexDraftServer:
         self.engine = self.metrics.source = AsyncEngine(engine, on_step=self.metrics.on_step)
         log.info(f"serving {self.name} {note}")
         ctx = serve.get_replica_context()
-        self.card = {"app": ctx.app_name, "deployment": ctx.deployment, **where}  # (/v1/models)
+        self.card = {"app": ctx.app_name, "deployment": ctx.deployment, "mode": str(engine.config.mode),
+                     **where}  # (/v1/models)
         self.reporter = None
         if cfg.mlflow_every_s:
             try:

@@ -5,12 +5,25 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from flexdraft.speculative.drafts import DRAFTER_KINDS, PARALLEL, SEQUENTIAL, TREE, DraftKind
-from flexdraft.speculative.lookup import PRIOR_ACCEPTED, STORE_PRIOR_ACCEPTED
+
+
+def rate_for(mean_accepted: float, block: int) -> float:
+    """r in [0, 1) with sum_{j=1..block} r^j = mean_accepted (bisection): the constant per-draft rate of a
+    proposer whose blocks of `block` drafts have mean_accepted accepted on average."""
+    lo, hi = 0.0, 0.999
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        if sum(mid ** j for j in range(1, block + 1)) < mean_accepted:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def monotone(points: dict[tuple[int, int], float]) -> dict[tuple[int, int], float]:
@@ -26,45 +39,32 @@ class AcceptanceModel:
     the drafter's validation tau (bonus / mask calibrated / tree of N nodes) when it has one, else r = 0.5.
     Without a validation tau for its size, a tree of N nodes starts from the sequential prior's expected
     accepted drafts times 1 + 0.13 log2(N / 4): what trees of 8 / 16 / 32 nodes added over the chain on the
-    default SmolLM2 drafter's validation split (+13% / +25% / +35%, 1,856 blocks). Model-free drafts count by
-    their `DraftKind`: prompt-lookup drafts by the size n of the n-gram that matched (`DraftKind("lookup", n)`,
-    prior from `lookup.PRIOR_ACCEPTED`; a store chain verified beside them counts there too), store drafts of rows
-    without a prompt match by the size behind their first draft (`DraftKind("store", n)`, from
-    `lookup.STORE_PRIOR_ACCEPTED`), any other source from r = 0.5."""
+    default SmolLM2 drafter's validation split (+13% / +25% / +35%, 1,856 blocks). Other proposers' drafts count
+    by their `DraftKind` (e.g. prompt lookup's by the size of the n-gram that matched), each from the rate
+    `rate_of(kind)` gives (the proposer's `acceptance_rate`; None: r = 0.5)."""
 
     KINDS = DRAFTER_KINDS
 
-    def __init__(self, block: int, prior: dict | None = None, weight: float = 20.0, tree_nodes: int = 8):
-        self.block, self.weight = block, weight
+    def __init__(self, block: int, prior: dict | None = None, weight: float = 20.0, tree_nodes: int = 8,
+                 rate_of: Callable[[DraftKind], float | None] = lambda kind: None):
+        self.block, self.weight, self.rate_of = block, weight, rate_of
         self.tried = {k: torch.full((block,), weight, dtype=torch.float64) for k in self.KINDS}
         self.passed = {}
         prior = prior or {}
         for kind, key in ((SEQUENTIAL, "bonus"), (TREE, "bonus"), (PARALLEL, "mask_calibrated")):
             tau = prior.get(f"eval/{key}/tau")
-            rate = self._rate_for(tau - 1, block) if tau else 0.5
+            rate = rate_for(tau - 1, block) if tau else 0.5
             if kind == TREE:
                 tree_tau = prior.get(f"eval/bonus/tau_tree{tree_nodes}")
                 gain = 1 + 0.13 * math.log2(max(tree_nodes, 4) / 4)
                 accepted = tree_tau - 1 if tree_tau else gain * sum(rate ** j for j in range(1, block + 1))
-                rate = self._rate_for(accepted, block)
+                rate = rate_for(accepted, block)
             self.passed[kind] = torch.full((block,), weight * rate, dtype=torch.float64)
 
-    @staticmethod
-    def _rate_for(mean_accepted: float, block: int) -> float:
-        """r in [0, 1) with sum_{j=1..block} r^j = mean_accepted (bisection)."""
-        lo, hi = 0.0, 0.999
-        for _ in range(50):
-            mid = (lo + hi) / 2
-            if sum(mid ** j for j in range(1, block + 1)) < mean_accepted:
-                lo = mid
-            else:
-                hi = mid
-        return lo
-
     def _model_free_kind(self, kind: DraftKind) -> None:
-        if kind not in self.tried:  # n-gram drafts: a rate whose expected accepted of 8 drafts is the prior's
-            prior = {"lookup": PRIOR_ACCEPTED, "store": STORE_PRIOR_ACCEPTED}.get(kind.source)
-            rate = self._rate_for(prior[min(max(kind.size, min(prior)), max(prior))], 8) if prior else 0.5
+        if kind not in self.tried:
+            rate = self.rate_of(kind)
+            rate = 0.5 if rate is None else min(max(float(rate), 0.0), 0.999)
             self.tried[kind] = torch.full((self.block,), self.weight, dtype=torch.float64)
             self.passed[kind] = self.tried[kind] * rate
 

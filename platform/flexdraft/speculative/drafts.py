@@ -21,7 +21,7 @@ class Mode(enum.StrEnum):
     SEQUENTIAL = "sequential"
     TREE = "tree"
     PARALLEL = "parallel"
-    LOOKUP = "lookup"  # drafts from a model-free proposer: prompt lookup, the n-gram store, or one a caller adds
+    LOOKUP = "lookup"  # drafts from a `Proposer`'s options: prompt lookup and the n-gram store, or one a config names
     ADAPTIVE = "adaptive"
 
 
@@ -48,11 +48,12 @@ DRAFTER_KINDS = (SEQUENTIAL, TREE, PARALLEL)  # the drafter's; the others are mo
 class Plan:
     """What one step does: its mode, drafts verified per row (a tree: its depth at most), the most branches kept
     per row (parallel; 0 = as the config's top_m / rho decide), a tree's nodes (tree), and the drafts a
-    model-free proposer already made for it (lookup)."""
+    proposer's option already made for it and that proposer's name (lookup)."""
     mode: Mode
     block: int = 0
     branches: int = 0
     nodes: int = 0
+    proposer: str = ""
     drafts: Drafts | None = field(default=None, compare=False)  # (this step's: not part of the plan's shape)
 
 
@@ -113,11 +114,12 @@ class Drafts:
 
 @dataclass(frozen=True)
 class Chains:
-    """A model-free proposer's drafts before a plan picks how many to verify: per row its candidate chains (two or
+    """A proposer's option: its drafts before a plan picks how many to verify: per row its candidate chains (two or
     more are verified as one token trie, a shared prefix once) and their kind (None: no match; such a row verifies
     filler, its bonus repeated, and counts nowhere)."""
     rows: tuple  # [n] tuples of chains (lists of token ids)
     kinds: tuple  # [n] DraftKind | None
+    source: str = ""  # the proposer that offered them (the engine sets it)
 
     @property
     def matched(self) -> bool:

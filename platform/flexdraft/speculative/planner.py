@@ -22,10 +22,10 @@ class Planner:
     (`block`) and sets the tree's nodes (0: no tree steps)."""
 
     def __init__(self, block: int, switch_batch: int, tree_nodes: int, trees: bool, cost_model: bool,
-                 acceptance_prior: dict | None = None, online: bool = True):
+                 acceptance_prior: dict | None = None, online: bool = True, rate_of=lambda kind: None):
         self.B, self.switch_batch, self.tree_nodes, self.trees = block, switch_batch, tree_nodes, trees
         self.cost_model = cost_model
-        self.acceptance = AcceptanceModel(max(block, 1), acceptance_prior, tree_nodes=tree_nodes)
+        self.acceptance = AcceptanceModel(max(block, 1), acceptance_prior, tree_nodes=tree_nodes, rate_of=rate_of)
         self.costs = CostModel(online)
         # (rows, fresh, speculating share in eighths) -> plan, tokens/s, step priced, its forwards' seconds
         self._plans: dict[tuple[int, int, int], tuple[Plan, float, int, float]] = {}
@@ -113,7 +113,7 @@ class Planner:
 
     def lookup(self, options: list[Chains], critical: list[int] | None, rate_to_beat: float,
                block: int) -> tuple[Plan, int] | None:
-        """The best step over model-free `options` (each: per row its chains and kind) with 1/2/4/`block` drafts per
+        """The best step over proposers' `options` (each: per row its chains and kind) with 1/2/4/`block` drafts per
         row, if one promises more than rate_to_beat tokens/s -> (plan, index of the option). Rows without a match
         still get one token. `critical`: the rows that set when the batch drains (None while requests wait): then a
         step counts n times the tokens of its poorest critical row."""
@@ -124,9 +124,10 @@ class Planner:
                 expected = {k: self.acceptance.expected_accepted(k, Bv) for k in set(option.kinds) - {None}}
                 extra = [expected[k] if k else 0.0 for k in option.kinds]  # per row
                 tokens = n + (sum(extra) if critical is None else n * min(extra[r] for r in critical))
-                seconds = self.costs.seconds("target", n, option.nodes(Bv) + 1) + self.costs.overhead(Mode.LOOKUP)
+                # (a proposer's steps learn their own overhead: what its options() took is in it)
+                seconds = self.costs.seconds("target", n, option.nodes(Bv) + 1) + self.costs.overhead(option.source)
                 if tokens / seconds > best_rate:
-                    best, best_rate = (Plan(Mode.LOOKUP, Bv), i), tokens / seconds
+                    best, best_rate = (Plan(Mode.LOOKUP, Bv, proposer=option.source), i), tokens / seconds
         return best
 
 

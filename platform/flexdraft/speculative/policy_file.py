@@ -30,12 +30,16 @@ POLICY_KEYS = ("mode", "switch_batch", "cost_model", "block_size", "tree_nodes",
 class Band:
     """The step settings for live batches of up to `max_rows` rows (None: any number)."""
     max_rows: int | None = None
-    mode: str = "adaptive"
+    mode: Mode = Mode.ADAPTIVE
     block: int = 0  # drafts verified per row at most (0 = the drafter's block size)
     top_m: int = 0  # parallel: keep at most this many branches per row (0 = no cap)
     rho: float = 1.0  # parallel: keep branches until they cover this probability mass
     tree_nodes: int = 8  # token-tree steps verify this many drafts per row (0 = no tree steps)
     lookup: int = 4  # prompt-lookup drafts from n-grams of up to this size (0 = no lookup steps)
+
+    def __post_init__(self):
+        if self.mode in MODES:  # (a file's name of it; `check` names a bad one)
+            object.__setattr__(self, "mode", Mode(self.mode))
 
     def check(self, where: str, drafter_block: int) -> None:
         if self.mode not in MODES:
@@ -118,7 +122,7 @@ def save_policy(policy: Policy, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     data = asdict(policy)
-    data["bands"] = [asdict(b) for b in policy.bands]
+    data["bands"] = [{**asdict(b), "mode": str(b.mode)} for b in policy.bands]
     head = ("# FlexDraft decoding policy (flexdraft.speculative.policy_file): the step settings per live batch size, measured "
             "for one\n# target + drafter on one machine. Use: flexdraft generate --policy FILE | harness `policies:` | "
             "serve user_config.policy\n")

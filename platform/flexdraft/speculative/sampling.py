@@ -18,7 +18,7 @@ MAX_LOGPROBS = 20  # the most alternatives a request may ask per token (OpenAI's
 REPETITION_PENALTY_RANGE = (0.01, 10.0)
 
 
-@dataclass
+@dataclass(frozen=True)
 class SamplingParams:
     max_new_tokens: int = 128
     temperature: float = 0.0  # below SAMPLING_EPS = greedy

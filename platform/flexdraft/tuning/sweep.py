@@ -56,6 +56,8 @@ class SweepConfig:
     model: str = "smollm2"  # decode sweeps (a training sweep's model is its pipeline's)
     drafter: str = ""  # decode: the drafter swept over ("" = the default pipeline's; a folder; models:/...; "init")
     store: str = ""  # n-gram store of lookup steps ("" = the default pipeline's distilled data; a file; "none")
+    # decode: draft sources the policy's engine weighs beside prompt lookup, as EngineConfig.proposers names them
+    proposers: dict = field(default_factory=dict)
     pipeline: str = ""  # the base pipeline YAML ("" = the embedded defaults): a training trial's, and the prompt pick's
     # validation prompts: held-out = ShareGPT prompts past the pipeline's distill selection (in neither split, never
     # in a benchmark set); validation = the pipeline's distill validation split; or a JSONL prompts file
@@ -353,7 +355,7 @@ class Measurer:
         self.lm = load_model(model, runtime, with_tokenizer=tokenizer)
         self.choice = resolve_drafter(drafter or None, self.lm.model, required=True)
         self.store, _ = resolve_store(cfg.store or None, model, self.lm.model.args.vocab_size)
-        self.model, self.prompts, self.objective = model, prompts, cfg.objective
+        self.model, self.prompts, self.objective, self.proposers = model, prompts, cfg.objective, cfg.proposers
         B = self.choice.drafter.config.block_size
         self.max_len = min(self.lm.model.args.max_position_embeddings,
                            max(map(len, prompts)) + cfg.objective.max_new_tokens + (B + 1) + (B + 1) ** 2)
@@ -376,7 +378,8 @@ class Measurer:
         from flexdraft.evaluation.harness import lockstep
         from flexdraft.speculative.sampling import SamplingParams
 
-        ec = lambda mode: EngineConfig(mode=mode, max_batch=batch, max_len=self.max_len)  # noqa: E731
+        ec = lambda mode: EngineConfig(mode=mode, max_batch=batch, max_len=self.max_len,  # noqa: E731
+                                       proposers=self.proposers if mode != "ar" else {})
         engines = {"policy": build_engine(self.lm, self.choice, ec("adaptive"), self.store, policy),
                    "ar": build_engine(self.lm, self.choice, ec("ar"), None)}
         prompts = self.prompts[:max(self.objective.prompts, batch)]
