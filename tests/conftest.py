@@ -20,6 +20,8 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 # commands run in the test's process with all their output (tests/cli/test_console.py tests the quiet terminal)
 os.environ.setdefault("FLEXDRAFT_VERBOSE", "1")
 torch.set_num_threads(1)
+# draft sources defined outside the package (tests/plugins/proposer_plugin), importable by their import path
+sys.path.insert(0, str(Path(__file__).resolve().parent / "plugins"))
 
 
 # the test files that use a Ray cluster: they share one `ray start --head` (ray_head) or start Ray nodes of their
@@ -56,6 +58,8 @@ def threads(request):
     torch.set_num_threads(n)
     yield n
     torch.set_num_threads(1)
+# draft sources defined outside the package (tests/plugins/proposer_plugin), importable by their import path
+sys.path.insert(0, str(Path(__file__).resolve().parent / "plugins"))
 
 
 def make_tiny_hf(arch: str, folder, seed: int = 0, **overrides):

@@ -67,7 +67,7 @@ if __name__ == "__main__":
                 tokens[name, phase] += sum(len(d.tokens) for d in out.deltas)
                 m = modes[name, phase]
                 m[out.stats.mode] = m.get(out.stats.mode, 0) + 1
-                for rid in list(eng.finished):
+                for rid in out.finished:
                     eng.result(rid)
     finally:
         if hog is not None and hog.poll() is None:

@@ -99,7 +99,7 @@ def test_generate_speculative_modes_json(tmp_path, capsys, real_folder, real_lm,
         assert row["token_ids"] == ref and row["mode"] == mode
         assert row["tau"] >= 1 and all(0 <= a <= 3 for a in row["accepted_lengths"])
         assert "[drafter: init; mode " + mode in err
-    # a draft source from a test file, by import path (tests/proposer_plugin), alone in lookup mode
+    # a draft source from a test file, by import path (tests/plugins/proposer_plugin), alone in lookup mode
     plugin = 'proposer_plugin:SuffixProposer={"n": 1}'
     assert main([*base, "--mode", "lookup", "--lookup", "0", "--proposer", plugin]) == 0
     assert json.loads(capsys.readouterr().out)["token_ids"] == ref

@@ -1,11 +1,13 @@
-"""A new draft source is one class in a file outside the package (tests/proposer_plugin), named in a config: the
+"""A new draft source is one class in a file outside the package (tests/plugins/proposer_plugin), named in a config: the
 planner weighs its drafts every step beside the drafter's plans, the verifier checks them like any other, the
 output stays AR greedy, its steps are reported under its own name, and its `after_verify` hook sees the target's
 hidden states. Broken proposers and bad names are errors naming them."""
 import itertools
+import re
 
 import pytest
 import torch
+from proposer_plugin import SuffixProposer
 
 from conftest import ragged_prompts
 from engine_fixtures import drafters, tiny, tiny_folder  # noqa: F401 (fixtures)
@@ -16,7 +18,6 @@ from flexdraft.engine.engine import Engine
 from flexdraft.engine.proposer_api import ProposerContext, register_proposer
 from flexdraft.speculative.drafts import Chains, DraftKind, Mode
 from flexdraft.speculative.sampling import SamplingParams
-from proposer_plugin import SuffixProposer
 
 PLUGIN = "proposer_plugin:SuffixProposer"
 
@@ -57,6 +58,7 @@ def test_a_proposer_named_by_its_import_path_runs_beside_the_drafter_losslessly(
     assert engine.totals.steps_by_mode[PLUGIN] == len(ours)
     assert any(PLUGIN in g.stats.mode_share for g in gens)
     assert plugin.verified == sum(1 for s in steps if s.mode not in ("prefill", "idle"))
+    assert plugin.features == {}  # each request's state released when its result was taken
 
     # the hook's hidden state, after each step of a lone request that goes on: the target's at the token before
     # the new bonus (the request's last token), as a prefill of everything before it computes it
@@ -68,6 +70,8 @@ def test_a_proposer_named_by_its_import_path_runs_beside_the_drafter_losslessly(
         expected = prefill(tiny, tiny.new_cache(1, 96), [req.prompt + req.tokens[:-1]])[0]
         torch.testing.assert_close(plugin.features[rid], expected, rtol=1e-4, atol=1e-4)
     engine.abort(rid)
+    engine.result(rid)
+    assert rid not in plugin.features
 
 
 def test_a_registered_name_selects_the_same_proposer_in_lookup_mode_without_a_drafter(tiny):
@@ -85,13 +89,30 @@ def test_a_registered_name_selects_the_same_proposer_in_lookup_mode_without_a_dr
     assert "suffix" in kinds and kinds <= {"suffix", "ar"}
 
 
-class Overreaching(SuffixProposer):
-    """Offers two diverging chains per row (a trie of up to 2 x block nodes) yet reserves one chain's slots."""
-    name = "overreaching"
+class Broken(SuffixProposer):
+    """Offers what `offer(requests, block)` makes of each step."""
+    name = "broken"
+
+    def __init__(self, context, offer):
+        super().__init__(context)
+        self.offer = offer
 
     def options(self, requests, band, first):
-        rows = tuple(((1,) * band.block, (2,) * band.block) for _ in requests)
-        return [Chains(rows, (DraftKind("suffix"),) * len(requests))]
+        return [self.offer(requests, band.block)]
+
+
+KIND = DraftKind("suffix")
+BROKEN = [  # (what it offers, the error after "proposer 'broken' offered")
+    (lambda reqs, B: Chains(tuple(([1] * B, [2] * B) for _ in reqs), (KIND,) * len(reqs)),  # a trie of 2B nodes
+     "8 drafts per row, past the 5 cache slots its scratch_slots reserves"),
+    (lambda reqs, B: Chains(tuple(([10 ** 6],) for _ in reqs), (KIND,) * len(reqs)),
+     "a token id outside the vocabulary of 96 in row 0"),
+    (lambda reqs, B: Chains(tuple((5, 6) for _ in reqs), (KIND,) * len(reqs)), "a row is a tuple of chains"),
+    (lambda reqs, B: Chains(tuple(((5,),) for _ in reqs), ("suffix",) * len(reqs)), "has a DraftKind"),
+    (lambda reqs, B: Chains(tuple(() for _ in reqs), (KIND,) * len(reqs)), "one without has None"),
+    (lambda reqs, B: Chains(((5,),), (KIND,)), "drafts for 1 rows and 1 kinds, not the step's 2"),
+    (lambda reqs, B: [[5, 6]] * len(reqs), "a list, not a Chains"),
+]
 
 
 @pytest.mark.parametrize("proposers, error", [
@@ -105,10 +126,23 @@ def test_bad_proposer_names_and_settings_are_named(tiny, proposers, error):
         Engine(tiny, None, EngineConfig(mode="lookup", lookup=0, max_batch=1, max_len=64, proposers=proposers))
 
 
-def test_a_proposer_offering_more_drafts_than_its_scratch_is_refused_by_name(tiny):
-    engine = Engine(tiny, None, EngineConfig(mode="lookup", max_batch=1, max_len=64, block_size=4),
-                    proposers=[Overreaching(ProposerContext(tiny, 4))])
-    engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=4))
+@pytest.mark.parametrize("offer, error", BROKEN)
+def test_a_proposer_offering_malformed_drafts_is_refused_by_name(tiny, offer, error):
+    """A proposer's bug (drafts past its cache slots or the vocabulary, malformed rows or kinds, the wrong number of
+    rows, not a Chains) is a FlexDraftError naming it, raised before anything reaches the verifier."""
+    engine = Engine(tiny, None, EngineConfig(mode="lookup", max_batch=2, max_len=64, block_size=4),
+                    proposers=[Broken(ProposerContext(tiny, 4), offer)])
+    for prompt in ([5, 6, 7], [8, 9]):
+        engine.add_request(prompt, SamplingParams(max_new_tokens=4))
     engine.step()  # the prefill
-    with pytest.raises(FlexDraftError, match="proposer 'overreaching' offered 8 drafts per row, past the 5 cache"):
+    with pytest.raises(FlexDraftError, match="proposer 'broken' offered .*" + re.escape(error)):
         engine.step()
+
+
+def test_proposers_where_nothing_weighs_them_are_refused(tiny, drafters):
+    """Named proposers in a mode that never takes their drafts (sequential; adaptive without its cost model) are an
+    error, not silently ignored."""
+    for cfg in (EngineConfig(mode="sequential", max_batch=1, max_len=64, proposers={PLUGIN: {}}),
+                EngineConfig(mode="adaptive", cost_model=False, max_batch=1, max_len=64, proposers={PLUGIN: {}})):
+        with pytest.raises(FlexDraftError, match="proposers are weighed in mode lookup, or adaptive"):
+            Engine(tiny, drafters["trained"], cfg)

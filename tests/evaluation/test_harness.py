@@ -13,7 +13,7 @@ from flexdraft.evaluation.harness import METHODS, HarnessConfig, run_harness
 from flexdraft.evaluation.peers import PEERS, STACKS
 
 OURS = [m for m in METHODS if m not in PEERS]  # every method that runs in this venv
-PLUGIN = "proposer_plugin:SuffixProposer"  # tests/proposer_plugin, outside the package
+PLUGIN = "proposer_plugin:SuffixProposer"  # tests/plugins/proposer_plugin, outside the package
 
 def test_registry_sizes_and_unavailable_sets():
     """GSM8K test 1,319, HumanEval 164, MT-Bench 80 x 2 turns, ShareGPT's 453 long documents; MATH and MBPP are

@@ -93,8 +93,10 @@ def apps(ray_head, real_folder, tiny_smollm2, tiny_pipeline, tmp_path_factory):
                     health_check_period_s=1, health_check_timeout_s=5),
         application("real", "/real", home, real_folder, tracking, autoscaling_config={"min_replicas": 1, "max_replicas": 1}),
     ]
-    # the tiny app's replicas can import the test-file proposer (`test_a_proposer_from_a_test_file_...` names it)
-    cfg["applications"][0]["runtime_env"]["py_modules"] = [str(REPO / "tests" / "proposer_plugin")]
+    # the tiny app's replicas can import the test-file proposer (`test_a_proposer_from_a_test_file_...` names it):
+    # on the nodes' PYTHONPATH, as Ray's docs have it for code outside a runtime_env URI (`serve deploy` takes no
+    # local py_modules)
+    cfg["applications"][0]["runtime_env"]["env_vars"]["PYTHONPATH"] = str(REPO / "tests" / "plugins")
     cfg["applications"][1]["deployments"][0]["user_config"]["engine"].update(max_batch=2, max_len=512)
     cfg["applications"][1]["runtime_env"]["env_vars"]["FLEXDRAFT_FAULT_INJECTION"] = "1"  # its loop is killed
     cfg["applications"][2]["deployments"][0]["user_config"]["engine"]["cost_model"] = False  # no profiling at start
@@ -820,8 +822,8 @@ def redeploy(apps, config: dict, ready) -> None:
 
 
 def test_a_proposer_from_a_test_file_serves_through_the_replica_losslessly(apps):
-    """The tiny app redeployed with `engine.proposers` naming tests/proposer_plugin's SuffixProposer by import path
-    (shipped by its runtime_env's py_modules; no edit to the package) in lookup mode: the replica's answers are AR
+    """The tiny app redeployed with `engine.proposers` naming tests/plugins/proposer_plugin's SuffixProposer by import
+    path (on its runtime_env's PYTHONPATH; no edit to the package) in lookup mode: the replica's answers are AR
     greedy, their `flexdraft` block's mode share names the proposer, and so does the steps metric's mode label;
     then the app goes back to its config."""
     lm, name = apps["tiny"], "proposer_plugin:SuffixProposer"

@@ -160,7 +160,7 @@ def register(sub) -> None:
     s.add_argument("--mode", help="override user_config.engine.mode")
     s.add_argument("--proposer", action="append", default=[], metavar="NAME[=JSON]",
                    help="add a draft source to user_config.engine.proposers (see flexdraft generate --help); the "
-                        "replicas must be able to import it (installed, or runtime_env py_modules)")
+                        "replicas must be able to import it (installed, or on runtime_env PYTHONPATH)")
     s.add_argument("--num-cpus", type=float, help="override each replica's ray_actor_options.num_cpus (its threads)")
     s.add_argument("--deploy", action="store_true", help="`serve deploy` to the running cluster (RAY_DASHBOARD_ADDRESS) "
                                                          "and return, instead of `serve run` here")

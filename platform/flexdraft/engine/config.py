@@ -82,14 +82,15 @@ class EngineConfig:
 def resolve(cfg: EngineConfig, drafter: Drafter | None, context: int, policy: Policy | None = None,
             mode_given: bool = True) -> EngineConfig:
     """The config an engine runs with, built once from what was asked (the caller's value is left as it was):
-    without an explicit mode (mode_given False), adaptive when there is a drafter, else AR; a policy's settings
+    without an explicit mode (mode_given False), adaptive when there is a drafter, else lookup when proposers are
+    named, else AR; a policy's settings
     (adaptive, its S and cost model, the largest block, tree and n-gram size its bands use); max_len 0 ->
     min(2048, context). Checked whole: FlexDraftError names what is wrong."""
     changes: dict = {}
     if policy is not None:
         changes.update(policy.engine_settings())
-    elif not mode_given:
-        changes["mode"] = Mode.ADAPTIVE if drafter is not None else Mode.AR
+    elif not mode_given:  # (proposers without a drafter: lookup steps over their drafts)
+        changes["mode"] = Mode.ADAPTIVE if drafter is not None else Mode.LOOKUP if cfg.proposers else Mode.AR
     if cfg.max_len == 0:
         changes["max_len"] = min(2048, context)
     resolved = dataclasses.replace(cfg, **changes)

@@ -35,7 +35,7 @@ from flexdraft.engine import profiling
 from flexdraft.engine.ar import prefill
 from flexdraft.engine.config import EngineConfig, resolve
 from flexdraft.engine.options import committed_logprobs, emitted_logprobs, processed, shared_prefills
-from flexdraft.engine.proposer_api import Proposer, ProposerContext, Verified, build_proposer
+from flexdraft.engine.proposer_api import Proposer, ProposerContext, Verified, build_proposer, check_name, check_option
 from flexdraft.engine.proposers import DrafterProposer, LookupProposer, critical_rows
 from flexdraft.engine.scheduler import Scheduler
 from flexdraft.engine.state import Request, RowState, count_acceptance, draft_caps, speculating_share
@@ -99,10 +99,14 @@ class Engine:
             if drafter is not None else None
         self.verifier = Verifier(target, drafter, self.cache, self.state, self.timed)
         self.proposers: list[Proposer] = [LookupProposer(self.B, self.store)] if self.lookup else []
-        if weighed:
-            context = ProposerContext(target, self.B, self.store)
-            self.proposers += [build_proposer(name, context, settings) for name, settings in config.proposers.items()]
-            self.proposers += list(proposers)
+        if (config.proposers or proposers) and not weighed:
+            raise FlexDraftError(f"proposers are weighed in mode lookup, or adaptive with its cost model or a policy, "
+                                 f"not in mode {config.mode}" + (" without one" if config.mode == Mode.ADAPTIVE else ""))
+        context = ProposerContext(target, self.B, self.store)
+        self.proposers += [build_proposer(name, context, settings) for name, settings in config.proposers.items()]
+        self.proposers += list(proposers)
+        for p in self.proposers:
+            check_name(getattr(p, "name", None))
         self.planner = Planner(self.B, config.switch_batch, config.tree_nodes, self.trees, config.cost_model,
                                acceptance_prior, config.online, self._acceptance_rate)
         self.acceptance, self.costs = self.planner.acceptance, self.planner.costs
@@ -187,7 +191,10 @@ class Engine:
     def result(self, request_id: int) -> Generation:
         """The finished (or aborted) request's generation; the engine forgets it (a server calls this once
         per request it added)."""
-        return self.scheduler.result(request_id).generation()
+        req = self.scheduler.result(request_id)
+        for p in self.proposers:
+            p.release(request_id)
+        return req.generation()
 
     @property
     def slots(self) -> list[Request]:
@@ -204,6 +211,10 @@ class Engine:
 
     def has_work(self) -> bool:
         return bool(self.slots or self.waiting)
+
+    def queue(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(running, waiting) request ids, in row and queue order (as a `StepOutput` reports them)."""
+        return self.scheduler.ids()
 
     # ---------------------------------------------------------------- the step
 
@@ -235,7 +246,7 @@ class Engine:
             self.costs.record_step(stats.kind, stats.seconds, forwards)
             self.planner.observe(plan, forwards)
         self.totals.observe(stats)
-        return StepOutput(tuple(d for d in deltas if d.tokens or d.finish_reason), stats, *self.scheduler.ids())
+        return StepOutput(tuple(d for d in deltas if d.tokens or d.finish_reason), stats, *self.queue())
 
     def _parallel_may_follow(self, n: int) -> bool:
         """Whether a parallel step may come at n rows (its pruning weighs the drafts' confidences)."""
@@ -302,16 +313,10 @@ class Engine:
     def _options(self, n: int, band: Band, first: list[int] | None) -> list[Chains]:
         """Every proposer's candidate drafts for rows 0..n-1 (`Proposer.options`), each named by its source and
         checked: a proposer's bug is a FlexDraftError naming it, not a wrong verify."""
-        options = []
+        options, V = [], self.target.args.vocab_size
         for p in self.proposers:
             for option in p.options(self.slots[:n], band, first):
-                if len(option.rows) != n or len(option.kinds) != n:
-                    raise FlexDraftError(f"proposer {p.name!r} offered drafts for {len(option.rows)} rows and "
-                                         f"{len(option.kinds)} kinds, not the step's {n}")
-                if option.nodes(band.block or self.B) + 1 > p.scratch_slots(self.B):
-                    raise FlexDraftError(f"proposer {p.name!r} offered {option.nodes(band.block or self.B)} drafts "
-                                         f"per row, past the {p.scratch_slots(self.B)} cache slots its "
-                                         f"scratch_slots({self.B}) reserves")
+                check_option(option, p, n, band.block or self.B, p.scratch_slots(self.B), V)
                 options.append(dataclasses.replace(option, source=p.name))
         return options
 
@@ -321,9 +326,12 @@ class Engine:
                     drafts=option.drafts(Bv, self.state.bonus[:n].tolist(), self.target.device))
 
     def model_free_plan(self, n: int, Bv: int) -> Plan | None:
-        """A lookup step of Bv drafts per row over the first proposer's drafts that match somewhere (None: none)."""
+        """A lookup step of Bv drafts per row over the option whose rows are expected to accept the most drafts
+        (`Planner.expected_accepted`; the first of equals), None when no option matches anywhere."""
         options = self._options(n, self.band(n), None)
-        return self._lookup_plan(options[0], Bv) if options else None
+        if not options:
+            return None
+        return self._lookup_plan(max(options, key=lambda o: self.planner.expected_accepted(o, Bv)), Bv)
 
     def weigh_model_free(self, n: int, band: Band, rate_to_beat: float) -> Plan | None:
         """The proposers' best option if it promises more than rate_to_beat tokens/s (`Planner.lookup`);

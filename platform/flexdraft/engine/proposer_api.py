@@ -4,12 +4,15 @@ and sweep configs all name them the same way).
 
 A proposer is found by name, in this order: one registered in this process (`register_proposer`), an installed
 package's entry point in the `flexdraft.proposers` group, or an import path `module:attribute` (what a Serve
-replica or a Ray worker can import: its `runtime_env`'s `py_modules` or `PYTHONPATH`). The attribute is a factory
+replica or a Ray worker can import: installed in the image, or on its runtime_env's `PYTHONPATH`, or in a
+`py_modules` / `working_dir` URI). The attribute is a factory
 (a `Proposer` subclass is one): `factory(context, **settings) -> Proposer`, settings from the config's mapping."""
 from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import inspect
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -78,14 +81,49 @@ class Proposer(Protocol):
         """Called after every verify (whoever drafted it), before the next step's `options`."""
         return None
 
+    def release(self, request_id: int) -> None:
+        """The request left the engine (finished or aborted, its result taken): drop what was kept for it."""
+        return None
+
+
+NAME = re.compile(r"[A-Za-z0-9_.:/-]+")  # (a name labels metrics and MLflow keys: `serve/mode_share/<name>`)
+
+
+def check_name(name) -> None:
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        raise FlexDraftError(f"a proposer's name must be letters, digits and _ . : / - (it names metrics), got "
+                             f"{name!r}")
+
+
+def check_option(option, proposer: Proposer, rows: int, block: int, scratch: int, vocab: int) -> None:
+    """An option a proposer offered for `rows` rows at most `block` drafts a chain, or a FlexDraftError naming the
+    proposer and what is wrong with it (a proposer's bug must not reach the verifier or fail the step elsewhere)."""
+    def bad(what: str):
+        raise FlexDraftError(f"proposer {proposer.name!r} offered {what}")
+
+    if not isinstance(option, Chains):
+        bad(f"a {type(option).__name__}, not a Chains")
+    if len(option.rows) != rows or len(option.kinds) != rows:
+        bad(f"drafts for {len(option.rows)} rows and {len(option.kinds)} kinds, not the step's {rows}")
+    for r, (chains, kind) in enumerate(zip(option.rows, option.kinds)):
+        if not isinstance(chains, tuple | list) or any(not isinstance(c, tuple | list) for c in chains):
+            bad(f"row {r} as {chains!r}: a row is a tuple of chains, each a list of token ids")
+        if any(not isinstance(t, int) or not 0 <= t < vocab for c in chains for t in c):
+            bad(f"a token id outside the vocabulary of {vocab} in row {r}")
+        if (kind is None) != (not chains) or (kind is not None and not isinstance(kind, DraftKind)):
+            bad(f"row {r} with kind {kind!r}: a row with chains has a DraftKind, one without has None")
+    if option.nodes(block) + 1 > scratch:
+        bad(f"{option.nodes(block)} drafts per row, past the {scratch} cache slots its scratch_slots reserves")
+
 
 _REGISTRY: dict[str, Callable[..., Proposer]] = {}
 
 
 def register_proposer(name: str, factory: Callable[..., Proposer]) -> None:
     """Make `name` select `factory(context, **settings)` in this process (a plugin module calls this on import)."""
-    if not name or ":" in name:
-        raise FlexDraftError(f"a proposer's name must be non-empty and without ':' (an import path), got {name!r}")
+    check_name(name)
+    if ":" in name:
+        raise FlexDraftError(f"a registered proposer's name has no ':' (that is an import path), got {name!r}")
     _REGISTRY[name] = factory
 
 
@@ -113,14 +151,21 @@ def proposer_factory(name: str) -> Callable[..., Proposer]:
 def build_proposer(name: str, context: ProposerContext, settings: dict | None = None) -> Proposer:
     """The proposer `name` selects, built for `context` with its `settings`; its `name` is the one it was selected
     by (so a step's report names what the config named)."""
-    factory = proposer_factory(name)
+    check_name(name)
+    factory, settings = proposer_factory(name), settings or {}
     try:
-        proposer = factory(context, **(settings or {}))
+        inspect.signature(factory).bind(context, **settings)
     except TypeError as e:
-        raise FlexDraftError(f"proposer {name!r} does not take settings {settings or {}}: {e}") from None
-    for method in ("options", "scratch_slots", "acceptance_rate", "after_verify"):
+        raise FlexDraftError(f"proposer {name!r} does not take settings {settings}: {e}") from None
+    except ValueError:  # (no signature to read: a builtin; the call says)
+        pass
+    proposer = factory(context, **settings)
+    for method in ("options", "scratch_slots", "acceptance_rate", "after_verify", "release"):
         if not callable(getattr(proposer, method, None)):
             raise FlexDraftError(f"proposer {name!r} has no {method}(): subclass flexdraft.engine.proposer_api."
                                  "Proposer")
-    proposer.name = name
+    try:
+        proposer.name = name
+    except AttributeError:
+        raise FlexDraftError(f"proposer {name!r}: its name cannot be set (a frozen or slotted class)") from None
     return proposer

@@ -295,11 +295,9 @@ class AsyncEngine:
         log.error(f"engine step failed ({type(error).__name__}: {error}); recovering its requests", exc_info=error)
         try:
             recovery = self.engine.recover()
-        except Exception:  # noqa: BLE001 - the engine cannot even put them back: end them all
-            log.exception("engine recovery failed; ending every request")
-            self._fail_all(EngineFailed(f"the engine failed while decoding: {type(error).__name__}: {error}"))
-            self.engine.scheduler.waiting.clear()
-            return
+        except Exception as e:  # noqa: BLE001 - the engine cannot even put them back: it is broken
+            raise EngineBroken(f"a step failed ({type(error).__name__}: {error}) and so did putting its requests "
+                               f"back ({type(e).__name__}: {e})") from e
         moved = recovery.tokens
         self._running, self._waiting = (), recovery.waiting
         self._futile = 0 if moved or recovery.admitted else self._futile + 1
@@ -387,11 +385,15 @@ class AsyncEngine:
 
     def _drain(self) -> None:
         """Carry out the commands sent since the last step (adds, aborts, calls); none of them can end the loop."""
+        command_ran = False
         while True:
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
+                if command_ran:
+                    self._running, self._waiting = self.engine.queue()  # (what `load` reports between steps)
                 return
+            command_ran = True
             try:
                 self._command(command)
             except Exception:  # noqa: BLE001 - a command that fails is that command's problem only

@@ -111,6 +111,10 @@ class Planner:
                     best, best_rate = plan, tokens / seconds
         return best, best_rate
 
+    def expected_accepted(self, option: Chains, block: int) -> float:
+        """The drafts an option's rows are expected to accept at `block` drafts a chain, summed over its rows."""
+        return sum(self.acceptance.expected_accepted(k, block) for k in option.kinds if k is not None)
+
     def lookup(self, options: list[Chains], critical: list[int] | None, rate_to_beat: float,
                block: int) -> tuple[Plan, int] | None:
         """The best step over proposers' `options` (each: per row its chains and kind) with 1/2/4/`block` drafts per
@@ -124,7 +128,7 @@ class Planner:
                 expected = {k: self.acceptance.expected_accepted(k, Bv) for k in set(option.kinds) - {None}}
                 extra = [expected[k] if k else 0.0 for k in option.kinds]  # per row
                 tokens = n + (sum(extra) if critical is None else n * min(extra[r] for r in critical))
-                # (a proposer's steps learn their own overhead: what its options() took is in it)
+                # (a proposer's steps learn their own overhead; every step's includes what all options() took)
                 seconds = self.costs.seconds("target", n, option.nodes(Bv) + 1) + self.costs.overhead(option.source)
                 if tokens / seconds > best_rate:
                     best, best_rate = (Plan(Mode.LOOKUP, Bv, proposer=option.source), i), tokens / seconds

@@ -1,6 +1,6 @@
 """A draft source defined outside the package, as a researcher's would be: selected by its import path
-(`proposer_plugin:SuffixProposer`) in an engine config, the harness config and a Serve app's user_config (the app's
-runtime_env `py_modules` ships this folder to the replicas), with zero edits to flexdraft.
+(`proposer_plugin:SuffixProposer`) in an engine config, the CLI, the harness config and a Serve app's user_config
+(the app's runtime_env puts tests/plugins on the replicas' PYTHONPATH), with zero edits to flexdraft.
 
 SuffixProposer drafts, per row, the tokens that followed the latest earlier occurrence of the row's last `n` tokens
 in its prompt and output. From `after_verify` it keeps what an EAGLE-style head drafts from: per request the
@@ -41,6 +41,9 @@ class SuffixProposer(Proposer):
 
     def acceptance_rate(self, kind):
         return self.rate if kind.source == "suffix" else None
+
+    def release(self, request_id: int) -> None:
+        self.features.pop(request_id, None)
 
     def after_verify(self, verified: Verified) -> None:
         self.verified += 1
