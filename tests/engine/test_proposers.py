@@ -146,3 +146,15 @@ def test_proposers_where_nothing_weighs_them_are_refused(tiny, drafters):
                 EngineConfig(mode="adaptive", cost_model=False, max_batch=1, max_len=64, proposers={PLUGIN: {}})):
         with pytest.raises(FlexDraftError, match="proposers are weighed in mode lookup, or adaptive"):
             Engine(tiny, drafters["trained"], cfg)
+
+
+def test_a_policy_measured_with_a_proposer_brings_it_along(tiny, drafters, tmp_path):
+    """A decode sweep's policy records the proposers it was measured with (`Policy.proposers`); an engine built with
+    that policy, from its file, weighs the same proposer."""
+    from flexdraft.speculative.policy_file import Band, Policy, load_policy, save_policy
+
+    path = save_policy(Policy(switch_batch=1, bands=[Band(None, "adaptive")], proposers={PLUGIN: {"n": 2}}),
+                       tmp_path / "policy.yaml")
+    engine = Engine(tiny, drafters["trained"], EngineConfig(max_batch=2, max_len=96), policy=load_policy(path))
+    assert engine.config.proposers == {PLUGIN: {"n": 2}}
+    assert [p.name for p in engine.proposers] == ["lookup", PLUGIN] and engine.proposers[1].n == 2

@@ -64,6 +64,7 @@ class Policy:
     target: dict = field(default_factory=dict)  # {"model": name, "fingerprint": Transformer.fingerprint}
     drafter: dict = field(default_factory=dict)  # {"path": folder or "init", "fingerprint": ..., "block_size": B}
     machine: dict = field(default_factory=dict)  # device, dtype, threads, cpu: where it was measured
+    proposers: dict = field(default_factory=dict)  # the draft sources it was measured with (EngineConfig.proposers)
     source: dict = field(default_factory=dict)  # the sweep that chose it and what it measured (not read back)
     format: str = FORMAT
 
@@ -94,7 +95,8 @@ class Policy:
         return {"mode": "adaptive", "switch_batch": self.switch_batch,
                 "cost_model": any(b.mode == "adaptive" for b in self.bands),
                 "block_size": 0 if any(b.block == 0 for b in self.bands) else max(b.block for b in self.bands),
-                "tree_nodes": max(b.tree_nodes for b in self.bands), "lookup": max(b.lookup for b in self.bands)}
+                "tree_nodes": max(b.tree_nodes for b in self.bands), "lookup": max(b.lookup for b in self.bands),
+                **({"proposers": self.proposers} if self.proposers else {})}
 
     def refuse_other(self, target_fingerprint: str, drafter_fingerprint: str, path: str = "") -> None:
         """Raise unless this policy was measured for this target and drafter."""

@@ -371,7 +371,8 @@ class Measurer:
                 "drafter": {"path": self.choice.source, "fingerprint": self.choice.fingerprint,
                             "block_size": self.choice.drafter.config.block_size, "k": self.choice.drafter.config.k},
                 "machine": {"device": m.device.type, "dtype": str(m.dtype).removeprefix("torch."),
-                            "threads": torch.get_num_threads(), "cpu": hardware().get("gpu") or hardware()["cpu"]}}
+                            "threads": torch.get_num_threads(), "cpu": hardware().get("gpu") or hardware()["cpu"]},
+                **({"proposers": self.proposers} if self.proposers else {})}
 
     def run(self, policy: Policy, batch: int) -> dict:
         from flexdraft.engine.runner import build_engine
