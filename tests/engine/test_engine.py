@@ -655,7 +655,7 @@ def test_a_draining_batch_takes_lookup_steps_only_where_every_lagging_row_has_a_
                 return []
             return [Chains(tuple(cs for cs, _ in proposals), tuple(k for _, k in proposals))]
 
-    e.proposers = [Fixed()]
+    e.proposers[:] = [Fixed()]  # (the list the planner asks for acceptance priors)
     plan = lambda: e.weigh_model_free(2, e.band(2), 2 / 0.01)  # noqa: E731  (AR's rate)
 
     assert e.waiting and plan() is not None

@@ -158,3 +158,24 @@ def test_a_policy_measured_with_a_proposer_brings_it_along(tiny, drafters, tmp_p
     engine = Engine(tiny, drafters["trained"], EngineConfig(max_batch=2, max_len=96), policy=load_policy(path))
     assert engine.config.proposers == {PLUGIN: {"n": 2}}
     assert [p.name for p in engine.proposers] == ["lookup", PLUGIN] and engine.proposers[1].n == 2
+
+
+def test_a_dropped_engine_is_freed_without_the_garbage_collector(tiny, drafters):
+    """No part of an engine holds the engine (the timer, the proposers, the planner's acceptance priors): dropping
+    the last reference frees it and its KV cache at once, so a process that builds engine after engine (the
+    harness, a sweep) does not hold every earlier cache until a collection."""
+    import gc
+    import weakref
+
+    gc.disable()
+    try:
+        engine = Engine(tiny, drafters["trained"], EngineConfig(mode="adaptive", max_batch=2, max_len=96,
+                                                                proposers={PLUGIN: {}}))
+        engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=6))
+        while engine.has_work():
+            engine.step()
+        ref = weakref.ref(engine)
+        del engine
+        assert ref() is None
+    finally:
+        gc.enable()

@@ -23,6 +23,7 @@ the target's distribution; the drafts only decide how many of them one forward y
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import time
 from collections.abc import Sequence
@@ -35,11 +36,20 @@ from flexdraft.engine import profiling
 from flexdraft.engine.ar import prefill
 from flexdraft.engine.config import EngineConfig, resolve
 from flexdraft.engine.options import committed_logprobs, emitted_logprobs, processed, shared_prefills
-from flexdraft.engine.proposer_api import Proposer, ProposerContext, Verified, build_proposer, check_name, check_option
+from flexdraft.engine.proposer_api import (
+    Proposer,
+    ProposerContext,
+    Verified,
+    acceptance_rate,
+    build_proposer,
+    check_name,
+    check_option,
+)
 from flexdraft.engine.proposers import DrafterProposer, LookupProposer, critical_rows
 from flexdraft.engine.scheduler import Scheduler
 from flexdraft.engine.state import Request, RowState, count_acceptance, draft_caps, speculating_share
 from flexdraft.engine.stats import IDLE, PREFILL, Recovery, RequestDelta, SpecDecodingStats, StepOutput, StepStats
+from flexdraft.engine.timing import StepTimer
 from flexdraft.engine.verification import Verifier
 from flexdraft.models.transformer import Transformer
 from flexdraft.speculative.branches import branch_anchors
@@ -95,9 +105,6 @@ class Engine:
         self.scheduler = Scheduler(R)  # the requests: waiting, in rows (request of cache row r), finished
         self._ids = itertools.count()
         # the proposers: the drafter's drafts (engine/proposers.py); the others' (`Proposer`), prompt lookup's first
-        self.proposer = DrafterProposer(target, drafter, self.cache, self.state, self.trees, self.timed) \
-            if drafter is not None else None
-        self.verifier = Verifier(target, drafter, self.cache, self.state, self.timed)
         self.proposers: list[Proposer] = [LookupProposer(self.B, self.store)] if self.lookup else []
         if (config.proposers or proposers) and not weighed:
             raise FlexDraftError(f"proposers are weighed in mode lookup, or adaptive with its cost model or a policy, "
@@ -108,10 +115,13 @@ class Engine:
         for p in self.proposers:
             check_name(getattr(p, "name", None))
         self.planner = Planner(self.B, config.switch_batch, config.tree_nodes, self.trees, config.cost_model,
-                               acceptance_prior, config.online, self._acceptance_rate)
+                               acceptance_prior, config.online, functools.partial(acceptance_rate, self.proposers))
         self.acceptance, self.costs = self.planner.acceptance, self.planner.costs
-        self.stats = StepStats(IDLE, 0)  # the step under way (the last one between steps)
-        self.clock = time.perf_counter  # what steps and forwards are timed with (the cost model learns from it)
+        # times the forwards (the parts that run them hold it, not the engine: an engine is freed when dropped)
+        self.timed = StepTimer(dev, self.costs)
+        self.proposer = DrafterProposer(target, drafter, self.cache, self.state, self.trees, self.timed) \
+            if drafter is not None else None
+        self.verifier = Verifier(target, drafter, self.cache, self.state, self.timed)
         self.totals = SpecDecodingStats()  # since start
         self.pruned_misses = 0  # parallel steps' rows whose accepted length fell on a pruned branch, since start
 
@@ -179,10 +189,23 @@ class Engine:
                    + [p.scratch_slots(self.B) for p in self.proposers])
         return prompt_len + max_new_tokens + max(self.B + 1 + branches, tree)
 
-    def _acceptance_rate(self, kind) -> float | None:
-        """The prior acceptance rate of a proposer's `kind` of drafts (its `acceptance_rate`)."""
-        rates = (p.acceptance_rate(kind) for p in self.proposers)
-        return next((r for r in rates if r is not None), None)
+    @property
+    def stats(self) -> StepStats:
+        """The step under way (between steps: the last one)."""
+        return self.timed.stats
+
+    @stats.setter
+    def stats(self, value: StepStats) -> None:
+        self.timed.stats = value
+
+    @property
+    def clock(self):
+        """What steps and forwards are timed with (the cost model learns from it)."""
+        return self.timed.clock
+
+    @clock.setter
+    def clock(self, clock) -> None:
+        self.timed.clock = clock
 
     def abort(self, request_id: int) -> None:
         """Drop a waiting or running request; the other rows are untouched."""
@@ -238,7 +261,7 @@ class Engine:
             stats.mode, stats.proposer, stats.rows, stats.block = plan.mode, plan.proposer, n, plan.block
             deltas = self.verify(plan, self.propose(plan, caps, batch), caps, batch)
             self.scheduler.retire(self._move_row)
-        self._sync()
+        self.timed.sync()
         stats.seconds = self.clock() - t0
         stats.tokens = sum(len(d.tokens) for d in deltas)
         if decoding:
@@ -252,26 +275,6 @@ class Engine:
         """Whether a parallel step may come at n rows (its pruning weighs the drafts' confidences)."""
         mode = self.band(n).mode
         return mode == Mode.PARALLEL or (mode == Mode.ADAPTIVE and n <= self.config.switch_batch)
-
-    def _sync(self):
-        if self.target.device.type == "cuda":
-            torch.cuda.synchronize()
-
-    def timed(self, kind: str, fn, rows: int = 0, tokens: int = 0):
-        """Run fn, add its wall time to this step's stats under `kind` and, for a forward of `rows` rows x `tokens`
-        tokens each, to the cost model."""
-        self._sync()
-        t0 = self.clock()
-        result = fn()
-        self._sync()
-        dt = self.clock() - t0
-        seconds = self.stats.forward_seconds
-        seconds[kind] = seconds.get(kind, 0.0) + dt
-        if kind == "draft":
-            self.stats.drafted_rows += rows
-        if rows:
-            self.costs.record(kind, rows, tokens, dt)
-        return result
 
     def band(self, n: int) -> Band:
         """The step settings for n live rows: the policy's band, else the config's (read every step: a Serve

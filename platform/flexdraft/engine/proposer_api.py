@@ -86,6 +86,12 @@ class Proposer(Protocol):
         return None
 
 
+def acceptance_rate(proposers: list[Proposer], kind: DraftKind) -> float | None:
+    """The prior acceptance rate of `kind` of drafts: the first of `proposers` that knows it (`acceptance_rate`)."""
+    rates = (p.acceptance_rate(kind) for p in proposers)
+    return next((r for r in rates if r is not None), None)
+
+
 NAME = re.compile(r"[A-Za-z0-9_.:/-]+")  # (a name labels metrics and MLflow keys: `serve/mode_share/<name>`)
 
 
