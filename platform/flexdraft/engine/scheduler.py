@@ -67,8 +67,9 @@ class Scheduler:
 
     def admit(self, limit: int | None, move: Callable[[int, int], None]) -> tuple[list[Request], int]:
         """This step's admissions (`schedule`: fair between groups, at most `limit`), the running requests they
-        preempt put back at the front of the queue with the tokens they have made -> (the admitted requests, now
-        running from row len(running) - len(admitted) on, longest first; how many were preempted)."""
+        preempt put back at the front of the queue with the tokens they have made -> (the admitted requests, out
+        of the queue: the engine orders them and appends them to `running` as it prefills them; how many were
+        preempted)."""
         admission = schedule(self.waiting, self.running, self.rows, limit)
         for req in admission.preempt:
             self.release(self.running.index(req), move)
