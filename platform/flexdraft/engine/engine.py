@@ -399,7 +399,7 @@ class Engine:
         requests = (*back, *finished.values())
         tokens = {req.id: list(req.tokens) for req in requests}
         logprobs = {req.id: list(req.logprobs) for req in requests if req.logprobs is not None}
-        return Recovery(tokens, list(finished), list(self.stats.admitted_ids), logprobs, self.scheduler.ids()[1])
+        return Recovery(tokens, list(finished), list(self.stats.admitted_ids), logprobs, self.queue()[1])
 
     # ---------------------------------------------------------------- verification
 

@@ -131,7 +131,7 @@ class Planner:
                 # (a proposer's steps learn their own overhead; every step's includes what all options() took)
                 seconds = self.costs.seconds("target", n, option.nodes(Bv) + 1) + self.costs.overhead(option.source)
                 if tokens / seconds > best_rate:
-                    best, best_rate = (Plan(Mode.LOOKUP, Bv, proposer=option.source), i), tokens / seconds
+                    best, best_rate = (Plan(Mode.LOOKUP, Bv), i), tokens / seconds
         return best
 
 
